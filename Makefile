@@ -1,0 +1,36 @@
+# Set-up and entry points. Every target creates the virtual environment first if needed.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU wheel pinned: an unpinned torch pulls several GB of CUDA packages.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-all demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test,gguf,lora]"
+	touch $(STAMP)
+
+# The fast suite: tiny random models, no network, no real model.
+test: install
+	$(BIN)/python -m pytest -q -m "not real_model and not slow"
+
+# Everything, including tests that fetch and use the real SmolLM2-135M model.
+test-all: install
+	$(BIN)/python -m pytest -q
+
+# The main job on the default model and the shared corpora.
+demo: install
+	$(BIN)/recurformer run --model smollm2-135m --out runs/demo
+
+bench: install
+	$(BIN)/python benchmarks/scan.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

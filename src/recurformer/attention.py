@@ -1,0 +1,127 @@
+"""HybridAttention: the kept heads stay softmax attention, one mixer stands in for the rest.
+
+[ours] Layout. In each layer the KV groups are split into kept and replaced ones. The kept
+heads' q/k/v rows are physically sliced (replaced heads cost no compute and no cache). The
+mixer reads the same normalized hidden states as attention and emits the replaced query
+heads' channels. `o_proj` is the original projection with its input columns reordered as
+`[kept query heads..., replaced query heads...]` (same function, no gather at run time), so
+the output is `o_proj(cat(attention_of_kept_heads, mixer_output))`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+from .config import MixerConfig
+from .mixers import build_mixer
+
+
+class HybridAttention(nn.Module):
+    """Drop-in replacement for a Llama/Qwen2/Mistral attention module.
+
+    Args:
+        config: the base model's (text) config; its `_attn_implementation` picks the kernel.
+        layer_idx: index of the decoder layer (for the cache).
+        kept_kv_heads / replaced_kv_heads: original KV head indices, ascending, disjoint.
+        mixer_config: builds the mixer for the replaced heads (None if there are none).
+        qkv_bias / o_bias: whether q/k/v and o projections carry a bias (as in the original).
+        sliding_window: the original layer's sliding window (Qwen2/Mistral), else None.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        kept_kv_heads: list[int],
+        replaced_kv_heads: list[int],
+        mixer_config: MixerConfig | None,
+        qkv_bias: bool,
+        o_bias: bool,
+        sliding_window: int | None = None,
+    ):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = getattr(config, "attention_dropout", 0.0)
+        self.is_causal = True
+        self.sliding_window = sliding_window
+        self.kept_kv_heads, self.replaced_kv_heads = list(kept_kv_heads), list(replaced_kv_heads)
+
+        kept_q = len(self.kept_kv_heads) * self.num_key_value_groups
+        replaced_q = len(self.replaced_kv_heads) * self.num_key_value_groups
+        if kept_q:
+            self.q_proj = nn.Linear(hidden, kept_q * self.head_dim, bias=qkv_bias)
+            self.k_proj = nn.Linear(hidden, len(self.kept_kv_heads) * self.head_dim, bias=qkv_bias)
+            self.v_proj = nn.Linear(hidden, len(self.kept_kv_heads) * self.head_dim, bias=qkv_bias)
+        self.mixer = build_mixer(hidden, replaced_q * self.head_dim, mixer_config) if replaced_q else None
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)
+
+    @property
+    def has_attention(self) -> bool:
+        return bool(self.kept_kv_heads)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor],
+        attention_mask: Tensor | None = None,
+        past_key_values=None,
+        padding_mask: Tensor | None = None,
+        **kwargs,
+    ) -> tuple[Tensor, Tensor | None]:
+        """hidden_states `[B, T, hidden]` -> output `[B, T, hidden]`, attention weights or None.
+
+        `padding_mask` `[B, T_total]` (1 = token) is the 2-D mask given to the model; the mixer
+        needs it so that left padding does not enter its state.
+        """
+        batch, length = hidden_states.shape[:2]
+        parts: list[Tensor] = []
+        weights = None
+        if self.has_attention:
+            shape = (batch, length, -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hq_kept, T, D]
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hkv_kept, T, D]
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, self.layer_idx)
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            out, weights = interface(
+                self, q, k, v, attention_mask,
+                dropout=self.attention_dropout if self.training else 0.0,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                **kwargs,
+            )
+            parts.append(out.reshape(batch, length, -1))
+        elif past_key_values is not None:
+            # No kept heads: store nothing, but let the cache count the tokens.
+            empty = hidden_states.new_empty(batch, 0, length, self.head_dim)
+            past_key_values.update(empty, empty, self.layer_idx)
+        if self.mixer is not None:
+            parts.append(self._mix(hidden_states, past_key_values, padding_mask))
+        return self.o_proj(torch.cat(parts, dim=-1)), weights
+
+    def _mix(self, hidden_states: Tensor, past_key_values, padding_mask: Tensor | None) -> Tensor:
+        batch, length = hidden_states.shape[:2]
+        mask = None if padding_mask is None else padding_mask[:, -length:]
+        if mask is not None and bool(mask.all()):
+            mask = None
+        if past_key_values is None:
+            return self.mixer(hidden_states, None, mask)
+        if not hasattr(past_key_values, "mixer_state"):
+            raise TypeError(
+                f"a RecurFormer model needs a HybridCache, got {type(past_key_values).__name__}; "
+                "pass past_key_values=None and the model creates one"
+            )
+        state = past_key_values.mixer_state(self.layer_idx, self.mixer, batch, hidden_states.dtype, hidden_states.device)
+        if length == 1 and mask is None:
+            return self.mixer.step(hidden_states[:, 0], state)[:, None]
+        return self.mixer(hidden_states, state, mask)

@@ -1,0 +1,141 @@
+"""Configuration dataclasses, validated up front.
+
+Errors name the field and the bad value, so that a CLI can print them as one line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+MIXER_KINDS = ("mamba",)
+SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or of the wrong kind."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class MixerConfig:
+    """Hyper-parameters of the recurrent mixer that replaces a layer's removed heads.
+
+    For `mamba` (Mamba-1 / S6) the inner width is `expand * d_out`, where `d_out` is the
+    number of replaced query heads times `head_dim` ([ours]: the mixer is sized by what it
+    replaces, so a layer that loses more heads gets a wider mixer).
+    """
+
+    kind: str = "mamba"
+    d_state: int = 16
+    d_conv: int = 4
+    expand: float = 1.0
+    dt_rank: int | str = "auto"  # "auto": ceil(d_in / 16), as in Mamba
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    dt_init_floor: float = 1e-4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    scan_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
+        _require(isinstance(self.d_state, int) and self.d_state >= 1, f"d_state must be a positive integer, got {self.d_state!r}")
+        _require(isinstance(self.d_conv, int) and self.d_conv >= 1, f"d_conv must be a positive integer, got {self.d_conv!r}")
+        _require(isinstance(self.expand, (int, float)) and self.expand > 0, f"expand must be > 0, got {self.expand!r}")
+        _require(
+            self.dt_rank == "auto" or (isinstance(self.dt_rank, int) and self.dt_rank >= 1),
+            f"dt_rank must be 'auto' or a positive integer, got {self.dt_rank!r}",
+        )
+        _require(0 < self.dt_min <= self.dt_max, f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min!r}, dt_max={self.dt_max!r}")
+        _require(self.dt_init_floor > 0, f"dt_init_floor must be > 0, got {self.dt_init_floor!r}")
+        _require(self.scan_backend in SCAN_BACKENDS, f"scan_backend: unknown {self.scan_backend!r}; choose one of {', '.join(SCAN_BACKENDS)}")
+
+    def inner_width(self, d_out: int) -> int:
+        """Channels of the recurrence for a mixer producing `d_out` channels."""
+        return max(1, round(self.expand * d_out))
+
+    def resolved_dt_rank(self, d_in: int) -> int:
+        return math.ceil(d_in / 16) if self.dt_rank == "auto" else int(self.dt_rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MixerConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, f"mixer config: unknown field(s) {', '.join(unknown)}")
+        return cls(**data)
+
+
+@dataclass
+class ReplacementSpec:
+    """Which KV groups of which layers are replaced by a mixer ([ours]: the unit is a KV group,
+    one KV head and all query heads that read it, because only whole groups free cache).
+
+    `groups` lists `(layer, kv_head)` pairs. `num_layers` and `num_kv_heads` record the shape
+    of the model the spec was made for, so a spec cannot silently be applied to another one.
+    `source` is free-form provenance (scorer, beta, model name) kept in the JSON.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    groups: list[tuple[int, int]]
+    source: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.num_layers, int) and self.num_layers >= 1, f"replacement spec: num_layers must be a positive integer, got {self.num_layers!r}")
+        _require(isinstance(self.num_kv_heads, int) and self.num_kv_heads >= 1, f"replacement spec: num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
+        groups = []
+        for item in self.groups:
+            _require(
+                isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in item),
+                f"replacement spec: each group must be a [layer, kv_head] pair of integers, got {item!r}",
+            )
+            layer, head = item
+            _require(0 <= layer < self.num_layers, f"replacement spec: layer {layer} out of range [0, {self.num_layers})")
+            _require(0 <= head < self.num_kv_heads, f"replacement spec: kv_head {head} of layer {layer} out of range [0, {self.num_kv_heads})")
+            groups.append((layer, head))
+        duplicates = sorted({g for g in groups if groups.count(g) > 1})
+        _require(not duplicates, f"replacement spec: duplicate group(s) {duplicates}")
+        self.groups = sorted(groups)
+
+    @property
+    def fraction(self) -> float:
+        """Replaced groups over all groups."""
+        return len(self.groups) / (self.num_layers * self.num_kv_heads)
+
+    def replaced_heads(self, layer: int) -> list[int]:
+        """KV heads of `layer` that are replaced, ascending."""
+        return [h for l, h in self.groups if l == layer]
+
+    def kept_heads(self, layer: int) -> list[int]:
+        """KV heads of `layer` that stay softmax attention, ascending."""
+        replaced = set(self.replaced_heads(layer))
+        return [h for h in range(self.num_kv_heads) if h not in replaced]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "groups": [list(g) for g in self.groups]}
+        if self.source is not None:
+            data["source"] = self.source
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ReplacementSpec":
+        _require(isinstance(data, dict), f"replacement spec: expected a JSON object, got {type(data).__name__}")
+        missing = [k for k in ("num_layers", "num_kv_heads", "groups") if k not in data]
+        _require(not missing, f"replacement spec: missing field(s) {', '.join(missing)}")
+        unknown = sorted(set(data) - {"num_layers", "num_kv_heads", "groups", "source"})
+        _require(not unknown, f"replacement spec: unknown field(s) {', '.join(unknown)}")
+        _require(isinstance(data["groups"], list), f"replacement spec: groups must be a list, got {type(data['groups']).__name__}")
+        return cls(data["num_layers"], data["num_kv_heads"], [tuple(g) if isinstance(g, list) else g for g in data["groups"]], data.get("source"))
+
+    @classmethod
+    def empty(cls, num_layers: int, num_kv_heads: int) -> "ReplacementSpec":
+        return cls(num_layers, num_kv_heads, [])

@@ -1,0 +1,311 @@
+"""Head statistics on real text, and the choice of which KV groups to replace.
+
+**[paper]** A head is recency aware when its attention mass sits on the last few tokens:
+
+    RR_h(w) = mean over queries i of  sum_{j : i-w < j <= i} A_h[i, j]
+
+**[ours]** Besides RR at the chosen window `w` (default 16) we report w = 4 and 64, the
+sink mass (attention on the first token, mean over queries) and the sink-excluded
+recency ratio (the same sum without token 0, renormalized by the mass off the sink `1 - A[i, 0]`, over queries
+i >= 1): a head that parks its mass on the first token is not local, and a high sink mass
+would otherwise hide that. All queries count, including the first `w` (for which the
+window covers the whole prefix), exactly as in the formula above.
+
+Statistics are accumulated while the model runs, one layer's attention at a time: a
+registered attention function computes the softmax probabilities of the layer, adds
+their band sums to running totals, and returns the same output eager attention would.
+KV-group scores are the mean over the group's query heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from .config import ConfigError, ReplacementSpec
+from .files import write_json_atomic
+
+DEFAULT_WINDOWS = (4, 16, 64)
+STATS_ATTENTION = "recurformer_head_stats"
+
+
+@dataclass
+class HeadScores:
+    """Per-head statistics of one model on one text sample.
+
+    `heads[name]` and `groups[name]` are `[layers, heads]` and `[layers, kv_heads]` lists
+    for `name` in `rr_<w>`, `rr_<w>_no_sink` (each window w) and `sink`.
+    """
+
+    model: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    window: int
+    windows: list[int]
+    sequences: int
+    seq_len: int
+    heads: dict[str, list[list[float]]]
+    groups: dict[str, list[list[float]]] = field(default_factory=dict)
+    data: list[str] = field(default_factory=list)
+    fingerprint: str = ""  # identifies the scored model's weights (pipeline.model_fingerprint)
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            size = self.num_heads // self.num_kv_heads
+            self.groups = {
+                name: [[sum(row[g * size:(g + 1) * size]) / size for g in range(self.num_kv_heads)] for row in values]
+                for name, values in self.heads.items()
+            }
+
+    @property
+    def metric(self) -> str:
+        """The statistic that ranks groups: `rr_<window>`."""
+        return f"rr_{self.window}"
+
+    def group_values(self, name: str | None = None) -> dict[tuple[int, int], float]:
+        values = self.groups[name or self.metric]
+        return {(l, g): values[l][g] for l in range(self.num_layers) for g in range(self.num_kv_heads)}
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat records, one per head and one per KV group (documented in docs/analysis.md)."""
+        stats = sorted(self.heads)
+        size = self.num_heads // self.num_kv_heads
+        return {
+            "format": "recurformer-head-scores/1",
+            "model": self.model,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "window": self.window,
+            "windows": self.windows,
+            "sequences": self.sequences,
+            "seq_len": self.seq_len,
+            "data": self.data,
+            "fingerprint": self.fingerprint,
+            "heads": [
+                {"layer": l, "head": h, "kv_head": h // size, **{s: self.heads[s][l][h] for s in stats}}
+                for l in range(self.num_layers) for h in range(self.num_heads)
+            ],
+            "groups": [
+                {"layer": l, "kv_head": g, **{s: self.groups[s][l][g] for s in stats}}
+                for l in range(self.num_layers) for g in range(self.num_kv_heads)
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HeadScores":
+        if not isinstance(data, dict) or data.get("format") != "recurformer-head-scores/1":
+            raise ConfigError("not a recurformer scores file (missing format 'recurformer-head-scores/1')")
+        try:
+            layers, heads = data["num_layers"], data["num_heads"]
+            stats = [k for k in data["heads"][0] if k not in ("layer", "head", "kv_head")]
+            table = {s: [[0.0] * heads for _ in range(layers)] for s in stats}
+            for record in data["heads"]:
+                for s in stats:
+                    table[s][record["layer"]][record["head"]] = float(record[s])
+            return cls(
+                model=data["model"], num_layers=layers, num_heads=heads, num_kv_heads=data["num_kv_heads"],
+                window=data["window"], windows=list(data["windows"]), sequences=data["sequences"],
+                seq_len=data["seq_len"], heads=table, data=list(data.get("data", [])),
+                fingerprint=data.get("fingerprint", ""),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            raise ConfigError(f"scores file is malformed ({type(error).__name__}: {error})") from None
+
+    def save(self, path: str | Path) -> None:
+        write_json_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HeadScores":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"scores file not found: {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"scores file {path} is not valid JSON ({error.msg})") from None
+        return cls.from_json(data)
+
+
+class RecencyStatistics:
+    """Running sums of the statistics, per layer and query head.
+
+    `add(layer, probs)` takes one layer's attention probabilities `[B, H, T, T]` (causal,
+    rows summing to 1) and adds each sequence's per-head means.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, windows: tuple[int, ...]):
+        self.windows = tuple(sorted(set(windows)))
+        self.sums = {name: torch.zeros(num_layers, num_heads, dtype=torch.float64) for name in self.names()}
+        self.sequences = [0] * num_layers
+
+    def names(self) -> list[str]:
+        return ["sink"] + [f"rr_{w}" for w in self.windows] + [f"rr_{w}_no_sink" for w in self.windows]
+
+    @torch.no_grad()
+    def add(self, layer: int, probs: Tensor) -> None:
+        batch, _, length, _ = probs.shape
+        probs = probs.float()
+        sink = probs[..., :, 0]  # [B, H, T]
+        # The mass off the sink, summed directly: 1 - A[i, 0] cancels badly when A[i, 0] ~ 1.
+        rest = probs[..., 1:, 1:].sum(-1).clamp_min(torch.finfo(probs.dtype).tiny)  # [B, H, T-1]
+        first = torch.arange(length, device=probs.device)
+        # band[..., i] = sum over 0 < j <= i, j > i - d of A[i, j], grown one diagonal at a time.
+        # The sink (column 0) is kept out and added back where the window covers it: summing
+        # it in and subtracting it later would cancel catastrophically when A[i, 0] ~ 1.
+        band = torch.zeros_like(sink)
+        for d in range(max(self.windows)):
+            if d + 1 < length:
+                band[..., d + 1:] += torch.diagonal(probs, offset=-d, dim1=-2, dim2=-1)[..., 1:]
+            if d + 1 in self.windows:
+                w = d + 1
+                with_sink = band + sink * (first < w)
+                self.sums[f"rr_{w}"][layer] += with_sink.mean(-1).sum(0).double()
+                if length > 1:
+                    self.sums[f"rr_{w}_no_sink"][layer] += (band[..., 1:] / rest).mean(-1).sum(0).double()
+        self.sums["sink"][layer] += sink.mean(-1).sum(0).double()
+        self.sequences[layer] += batch
+
+    def means(self) -> dict[str, list[list[float]]]:
+        counts = torch.tensor(self.sequences, dtype=torch.float64).clamp_min(1)[:, None]
+        return {name: (total / counts).tolist() for name, total in self.sums.items()}
+
+
+_active: RecencyStatistics | None = None
+
+
+def _stats_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager causal attention that also feeds the active `RecencyStatistics`.
+
+    query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
+    Sequences are packed text without padding, so the mask is plain causal.
+    """
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scaling
+    length = scores.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    if _active is not None:
+        _active.add(module.layer_idx, probs)
+    output = torch.matmul(probs.to(value.dtype), value)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(STATS_ATTENTION, _stats_attention)
+
+
+@torch.no_grad()
+def analyze(
+    model,
+    sequences: Tensor,
+    window: int = 16,
+    windows: tuple[int, ...] = DEFAULT_WINDOWS,
+    batch_size: int = 1,
+    model_name: str = "",
+    data: list[str] | None = None,
+    progress: bool = True,
+) -> HeadScores:
+    """Run `model` over `sequences` `[N, T]` and return its per-head statistics."""
+    global _active
+    if window < 1:
+        raise ConfigError(f"window must be >= 1, got {window}")
+    config = model.config
+    stats = RecencyStatistics(config.num_hidden_layers, config.num_attention_heads, tuple(windows) + (window,))
+    previous = config._attn_implementation
+    config._attn_implementation = STATS_ATTENTION
+    _active = stats
+    try:
+        model.eval()
+        for start in tqdm(range(0, len(sequences), batch_size), desc="analyze", unit="batch", disable=not progress):
+            model(sequences[start:start + batch_size], use_cache=False)
+    finally:
+        _active = None
+        config._attn_implementation = previous
+    return HeadScores(
+        model=model_name, num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads, window=window, windows=sorted(set(windows) | {window}),
+        sequences=len(sequences), seq_len=sequences.shape[1], heads=stats.means(), data=list(data or []),
+    )
+
+
+class Scorer:
+    """Ranks KV groups: the higher a group's score, the earlier it is replaced."""
+
+    name = ""
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        raise NotImplementedError
+
+
+class RecencyScorer(Scorer):
+    """[paper] The most recency-aware groups first (mean RR of the group's query heads)."""
+
+    name = "recency"
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        return scores.group_values()
+
+
+class InverseScorer(Scorer):
+    """Control: the least recency-aware groups first."""
+
+    name = "inverse"
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        return {g: -v for g, v in scores.group_values().items()}
+
+
+class RandomScorer(Scorer):
+    """Control: a seeded random order."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        rng = random.Random(self.seed)
+        return {g: rng.random() for g in scores.group_values()}
+
+
+SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer)}
+
+
+def make_scorer(name: str, seed: int = 0) -> Scorer:
+    if name not in SCORERS:
+        raise ConfigError(f"scorer: unknown {name!r}; choose one of {', '.join(SCORERS)}")
+    return RandomScorer(seed) if name == "random" else SCORERS[name]()
+
+
+def groups_to_replace(num_groups: int, beta: float) -> int:
+    """[ours] Rounding: `floor(beta * N + 1/2)`, the nearest integer with halves up."""
+    if not isinstance(beta, (int, float)) or math.isnan(beta) or not 0.0 <= beta <= 1.0:
+        raise ConfigError(f"beta must be in [0, 1], got {beta!r}")
+    return math.floor(beta * num_groups + 0.5)
+
+
+def select_heads(scores: HeadScores, beta: float, scorer: Scorer | None = None) -> ReplacementSpec:
+    """The global top-`beta` fraction of KV groups under `scorer` (default: recency).
+
+    Ties are broken by (layer, kv_head), so the choice is deterministic.
+    """
+    scorer = scorer or RecencyScorer()
+    ranked = scorer.score(scores)
+    count = groups_to_replace(len(ranked), beta)
+    chosen = sorted(ranked, key=lambda g: (-ranked[g], g))[:count]
+    return ReplacementSpec(
+        scores.num_layers, scores.num_kv_heads, chosen,
+        source={"model": scores.model, "scorer": scorer.name, "beta": beta, "metric": scores.metric},
+    )

@@ -1,0 +1,190 @@
+"""convert(): turn a pretrained Llama/Qwen2/Mistral causal LM into a RecurFormer model.
+
+Declarative and checked: for every layer a `LayerPlan` says which rows of q/k/v are kept and
+in which order `o_proj` reads its input columns; shapes are asserted before anything is
+copied, and errors name the layer and head. All other weights are copied unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers.initialization import no_init_weights
+
+from .config import ConfigError, MixerConfig, ReplacementSpec
+from .mixers import Mixer, ReplacedHeads
+from .modeling import RecurFormerConfig, RecurFormerForCausalLM, check_architecture
+
+INITS = ("reuse", "random")
+
+
+class SurgeryError(ValueError):
+    """A weight does not have the shape the plan expects."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Row and column indices for one layer.
+
+    q rows `[kept_q * D]`, k/v rows `[kept_kv * D]`; `o_columns` `[H * D]` lists the original
+    input columns of `o_proj` in the new order (kept query heads, then replaced ones).
+    """
+
+    layer: int
+    kept_kv: list[int]
+    replaced_kv: list[int]
+    q_rows: Tensor
+    kv_rows: Tensor
+    replaced_q_rows: Tensor
+    replaced_kv_rows: Tensor
+    o_columns: Tensor
+
+    @classmethod
+    def build(cls, layer: int, spec: ReplacementSpec, group_size: int, head_dim: int) -> "LayerPlan":
+        kept, replaced = spec.kept_heads(layer), spec.replaced_heads(layer)
+
+        def q_rows(kv_heads: list[int]) -> Tensor:
+            heads = [g * group_size + i for g in kv_heads for i in range(group_size)]
+            return _rows(heads, head_dim)
+
+        return cls(
+            layer, kept, replaced,
+            q_rows=q_rows(kept), kv_rows=_rows(kept, head_dim),
+            replaced_q_rows=q_rows(replaced), replaced_kv_rows=_rows(replaced, head_dim),
+            o_columns=torch.cat([q_rows(kept), q_rows(replaced)]),
+        )
+
+
+def _rows(heads: list[int], head_dim: int) -> Tensor:
+    if not heads:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+
+
+def convert(
+    model: nn.Module,
+    spec: ReplacementSpec,
+    mixer_config: MixerConfig | None = None,
+    init: str = "reuse",
+    seed: int = 0,
+) -> RecurFormerForCausalLM:
+    """Build a RecurFormer model from a pretrained causal LM; `model` is left unchanged.
+
+    Args:
+        model: a `LlamaForCausalLM`, `Qwen2ForCausalLM` or `MistralForCausalLM`.
+        spec: the `(layer, kv_head)` groups to replace.
+        mixer_config: the mixer (default: Mamba with default sizes).
+        init: `reuse` derives what it can of each mixer from the replaced heads' weights
+            (see docs/method.md); `random` keeps the mixer's own initialization (control).
+        seed: seeds the mixers' random initialization.
+    """
+    if init not in INITS:
+        raise ConfigError(f"init: unknown {init!r}; choose one of {', '.join(INITS)}")
+    text = model.config
+    check_architecture(text)
+    if (spec.num_layers, spec.num_kv_heads) != (text.num_hidden_layers, text.num_key_value_heads):
+        raise ConfigError(
+            f"replacement spec is for {spec.num_layers} layers x {spec.num_kv_heads} KV heads, but the model "
+            f"has {text.num_hidden_layers} layers x {text.num_key_value_heads} KV heads"
+        )
+    mixer_config = mixer_config or MixerConfig()
+    config = RecurFormerConfig(
+        text_config=copy.deepcopy(text), replacement=spec.to_dict(), mixer=mixer_config.to_dict()
+    )
+    config.text_config._attn_implementation = text._attn_implementation
+    with no_init_weights():
+        converted = RecurFormerForCausalLM(config)
+    converted.to(dtype=model.dtype)
+
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    group_size = text.num_attention_heads // text.num_key_value_heads
+    source = model.state_dict()
+    weights = {name: t for name, t in source.items() if ".self_attn." not in name}
+    generator = torch.Generator().manual_seed(seed)
+    for idx, (old_layer, hybrid) in enumerate(zip(model.model.layers, converted.hybrid_attentions())):
+        plan = LayerPlan.build(idx, spec, group_size, head_dim)
+        prefix = f"model.layers.{idx}.self_attn."
+        weights.update(_attention_weights(prefix, old_layer.self_attn, plan, text, head_dim))
+        if hybrid.mixer is not None:
+            _init_mixer(hybrid.mixer, old_layer.self_attn, plan, group_size, head_dim, init, generator)
+            weights.update({prefix + "mixer." + n: t for n, t in hybrid.mixer.state_dict().items()})
+    missing, unexpected = converted.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise SurgeryError(f"weights do not match the converted layout: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    converted.tie_weights()
+    converted.eval()
+    return converted
+
+
+def _attention_weights(prefix: str, attn: nn.Module, plan: LayerPlan, text, head_dim: int) -> dict[str, Tensor]:
+    """The kept heads' q/k/v rows and the reordered o_proj of one layer, shape-checked."""
+    hidden = text.hidden_size
+    n_q, n_kv = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
+    for name, shape in (("q_proj", (n_q, hidden)), ("k_proj", (n_kv, hidden)), ("v_proj", (n_kv, hidden)), ("o_proj", (hidden, n_q))):
+        _check(getattr(attn, name).weight, shape, plan, f"{name}.weight")
+    out = {"o_proj.weight": attn.o_proj.weight[:, plan.o_columns]}
+    if attn.o_proj.bias is not None:
+        out["o_proj.bias"] = attn.o_proj.bias
+    if plan.kept_kv:
+        for name, rows in (("q_proj", plan.q_rows), ("k_proj", plan.kv_rows), ("v_proj", plan.kv_rows)):
+            linear = getattr(attn, name)
+            out[f"{name}.weight"] = linear.weight[rows]
+            if linear.bias is not None:
+                out[f"{name}.bias"] = linear.bias[rows]
+    return {prefix + name: t.detach().clone() for name, t in out.items()}
+
+
+def _check(tensor: Tensor, shape: tuple[int, ...], plan: LayerPlan, name: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise SurgeryError(f"layer {plan.layer}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+
+
+def _init_mixer(
+    mixer: Mixer, attn: nn.Module, plan: LayerPlan, group_size: int, head_dim: int, init: str, generator: torch.Generator
+) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        mixer.reset_parameters()
+    if init == "random":
+        return
+
+    def heads(linear: nn.Linear, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        w = linear.weight.detach()[rows].view(-1, head_dim, linear.in_features)
+        b = None if linear.bias is None else linear.bias.detach()[rows].view(-1, head_dim)
+        return w, b
+
+    (q, qb), (k, kb), (v, vb) = (
+        heads(attn.q_proj, plan.replaced_q_rows),
+        heads(attn.k_proj, plan.replaced_kv_rows),
+        heads(attn.v_proj, plan.replaced_kv_rows),
+    )
+    mixer.init_from_heads(ReplacedHeads(q, k, v, qb, kb, vb, group_size))
+
+
+def parameter_report(original: nn.Module, converted: nn.Module) -> dict[str, float]:
+    """Parameter counts of the original and converted models, by part, and their ratio.
+
+    Counts unique tensors (tied embeddings once). Keys: `original_total`,
+    `converted_total`, `ratio`, `original_attention`, `converted_attention` (q/k/v/o),
+    `converted_mixer`.
+    """
+
+    def count(model: nn.Module, keep) -> int:
+        return sum(p.numel() for name, p in model.named_parameters() if keep(name))
+
+    def is_attention(name: str) -> bool:
+        return ".self_attn." in name and ".mixer." not in name
+
+    original_total = count(original, lambda n: True)
+    converted_total = count(converted, lambda n: True)
+    return {
+        "original_total": original_total,
+        "converted_total": converted_total,
+        "ratio": converted_total / original_total,
+        "original_attention": count(original, is_attention),
+        "converted_attention": count(converted, is_attention),
+        "converted_mixer": count(converted, lambda n: ".mixer." in n),
+    }

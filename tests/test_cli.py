@@ -1,0 +1,115 @@
+"""The analyze and convert commands on tiny local models: outputs, and one-line errors on bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import recurformer  # noqa: F401
+from recurformer.cli import main
+from tiny_models import save_tiny_model
+
+TEXT = " = Doc = \n" + " ".join(["the quick brown fox jumps over the lazy dog ."] * 400) + "\n"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    save_tiny_model(root / "model", "llama", seed=0)
+    save_tiny_model(root / "other", "llama", seed=1)
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def analyze_args(ws, out="scores.json", *extra):
+    return ("analyze", ws / "model", "--data", ws / "text.txt", "--out", ws / out,
+            "--sequences", 4, "--seq-len", 64, *extra)
+
+
+def test_analyze_then_convert(workspace, capsys):
+    ws = workspace
+    code, err = run(capsys, *analyze_args(ws, "scores.json", "--plot", ws / "heads.png"))
+    assert code == 0, err
+    scores = json.loads((ws / "scores.json").read_text())
+    assert len(scores["groups"]) == 4 and len(scores["heads"]) == 8
+    assert (ws / "heads.png").stat().st_size > 1000
+
+    code, err = run(capsys, "convert", ws / "model", "--scores", ws / "scores.json", "--beta", 0.5, "--out", ws / "converted")
+    assert code == 0, err
+    model = AutoModelForCausalLM.from_pretrained(ws / "converted")
+    assert len(model.spec.groups) == 2
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+def one_line_error(code, err, fragment):
+    """Exit code 2 and the error as the last line of stderr (progress bars may precede it)."""
+    assert code == 2
+    assert "Traceback" not in err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("recurformer: error: ") and fragment in last
+
+
+@pytest.mark.parametrize("beta", ["1.5", "-0.1", "nan"])
+def test_convert_refuses_beta_out_of_range(workspace, capsys, beta):
+    code, err = run(capsys, "convert", workspace / "model", "--scores", workspace / "scores.json",
+                    "--beta", beta, "--out", workspace / f"bad-{beta}")
+    one_line_error(code, err, "beta must be in [0, 1]")
+    assert not (workspace / f"bad-{beta}").exists()
+
+
+def test_convert_refuses_scores_of_another_model(workspace, capsys):
+    run(capsys, *analyze_args(workspace, "scores-a.json"))
+    code, err = run(capsys, "convert", workspace / "other", "--scores", workspace / "scores-a.json",
+                    "--beta", 0.5, "--out", workspace / "wrong")
+    one_line_error(code, err, "scores were computed on another model")
+    assert not (workspace / "wrong").exists()
+
+
+def test_analyze_refuses_a_missing_data_file(workspace, capsys):
+    code, err = run(capsys, "analyze", workspace / "model", "--data", workspace / "nope.txt",
+                    "--out", workspace / "never.json")
+    one_line_error(code, err, "data file not found")
+    assert not (workspace / "never.json").exists()
+
+
+def test_unknown_model_name(workspace, capsys):
+    code, err = run(capsys, "analyze", "gpt-17", "--data", workspace / "text.txt", "--out", workspace / "never.json")
+    one_line_error(code, err, "gpt-17")
+    assert not (workspace / "never.json").exists()
+
+
+def test_convert_refuses_to_overwrite_without_force(workspace, capsys):
+    target = workspace / "occupied"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    code, err = run(capsys, "convert", workspace / "model", "--scores", workspace / "scores.json",
+                    "--beta", 0.25, "--out", target)
+    one_line_error(code, err, "exists and is not empty")
+    assert (target / "keep.txt").read_text() == "mine"
+
+
+def test_sequences_longer_than_the_model_allows(workspace, capsys):
+    code, err = run(capsys, "analyze", workspace / "model", "--data", workspace / "text.txt",
+                    "--out", workspace / "never.json", "--seq-len", 4096)
+    one_line_error(code, err, "longer than the model allows")
+
+
+def test_no_traceback_from_the_installed_command(workspace):
+    result = subprocess.run(
+        [sys.executable, "-m", "recurformer.cli", "convert", str(workspace / "model"), "--scores",
+         str(workspace / "missing.json"), "--beta", "0.5", "--out", str(workspace / "x")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "scores file not found" in result.stderr

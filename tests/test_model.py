@@ -1,0 +1,205 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
+
+import recurformer  # noqa: F401  (registers the Auto classes)
+from recurformer.cache import HybridCache
+from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
+from recurformer.modeling import UnsupportedArchitectureError
+from recurformer.surgery import convert, parameter_report
+
+from tiny_models import spec_for, tiny_model
+
+
+def logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, use_cache=False, **kwargs).logits
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_converting_zero_groups_reproduces_the_original(arch, attn):
+    model = tiny_model(arch, attn)
+    converted = convert(model, spec_for(model, 0.0))
+    ids = torch.randint(0, 97, (2, 37))
+    assert (logits(converted, ids) - logits(model, ids)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("prompt", [1, 63, 300])
+def test_forward_equals_prefill_then_decode(arch, beta, prompt):
+    model = tiny_model(arch)
+    converted = convert(model, spec_for(model, beta), init="random")
+    ids = torch.randint(0, 97, (2, prompt + 20))
+    full = logits(converted, ids)
+    with torch.no_grad():
+        cache = HybridCache(model.config.num_hidden_layers)
+        steps = [converted(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(converted(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    assert cache.get_seq_length() == ids.shape[1]
+    assert (torch.cat(steps, 1) - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_left_padded_batch_equals_each_prompt_alone(arch, attn):
+    model = tiny_model(arch, attn)
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    prompts = [torch.randint(1, 97, (n,)) for n in (23, 9, 1)]
+    width, decode = max(len(p) for p in prompts), 6
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    new_tokens = torch.randint(1, 97, (len(prompts), decode))
+    with torch.no_grad():
+        cache = HybridCache(2)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        batched = [converted(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1:]]
+        for t in range(decode):
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], 1)
+            position = positions[:, -1:] + 1 + t
+            step = converted(new_tokens[:, t:t + 1], attention_mask=mask, position_ids=position, past_key_values=cache)
+            batched.append(step.logits)
+        batched = torch.cat(batched, 1)
+        for i, p in enumerate(prompts):
+            alone = logits(converted, torch.cat([p, new_tokens[i]])[None])[:, len(p) - 1:]
+            assert (batched[i] - alone[0]).abs().max() <= 1e-4, f"row {i}"
+
+
+def test_generate_equals_manual_greedy_loop(arch):
+    model = tiny_model(arch)
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    ids = torch.randint(1, 97, (1, 12))
+    out = converted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False, pad_token_id=0)
+    manual = ids
+    for _ in range(15):
+        manual = torch.cat([manual, logits(converted, manual)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, manual)
+
+
+def test_generate_batched_left_padding_and_sampling():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    prompts = [torch.randint(1, 97, (n,)) for n in (10, 4)]
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    mask = torch.zeros(2, 10, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 10 - len(p):], mask[i, 10 - len(p):] = p, 1
+    out = converted.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = converted.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(out[i, 10:], alone[0, len(p):])
+    torch.manual_seed(0)
+    sampled = converted.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0)
+    assert sampled.shape == (2, 18)
+
+
+def test_save_and_load_round_trip(arch, tmp_path):
+    model = tiny_model(arch)
+    converted = convert(model, spec_for(model, 0.5), MixerConfig(d_state=4, expand=2.0))
+    converted.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(converted)
+    assert loaded.spec == converted.spec
+    ids = torch.randint(0, 97, (2, 30))
+    assert torch.equal(logits(loaded, ids), logits(converted, ids))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.pop("replacement"), "no 'replacement' spec"),
+        (lambda c: c["replacement"].update(num_kv_heads=7), "replacement spec is for"),
+        (lambda c: c["replacement"]["groups"].append([5, 0]), "layer 5 out of range"),
+        (lambda c: c["mixer"].update(d_state=-3), "d_state"),
+    ],
+)
+def test_loading_a_bad_spec_fails_clearly(tmp_path, edit, message):
+    model = tiny_model("llama")
+    convert(model, spec_for(model, 0.5)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("beta", [0.25, 0.5, 1.0])
+def test_cache_bytes(arch, beta):
+    model = tiny_model(arch)
+    spec = spec_for(model, beta)
+    converted = convert(model, spec, init="random")
+    state_bytes = set()
+    for length in (40, 200):
+        ids = torch.randint(0, 97, (2, length))
+        with torch.no_grad():
+            original = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
+            hybrid = converted(ids, use_cache=True).past_key_values
+        original_kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in original)
+        kept = 1 - spec.fraction
+        assert hybrid.nbytes()["kv"] == kept * original_kv
+        state_bytes.add(hybrid.nbytes()["mixer_state"])
+    assert len(state_bytes) == 1
+    assert (state_bytes.pop() > 0) == (beta > 0)
+
+
+def test_a_plain_dynamic_cache_is_refused():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5))
+    with pytest.raises(TypeError, match="HybridCache"):
+        converted(torch.randint(0, 97, (1, 5)), past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(UnsupportedArchitectureError, match="llama, qwen2, mistral"):
+        convert(gpt2, ReplacementSpec(1, 2, []))
+
+
+def test_spec_for_another_shape_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="3 layers x 2 KV heads"):
+        convert(model, ReplacementSpec(3, 2, []))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"num_layers": 2, "num_kv_heads": 2, "groups": [[0, 2]]}, "kv_head 2 of layer 0 out of range"),
+        ({"num_layers": 2, "num_kv_heads": 2, "groups": [[0, 1], [0, 1]]}, "duplicate"),
+        ({"num_layers": 2, "num_kv_heads": 2, "groups": [["a", 1]]}, "pair of integers"),
+        ({"num_layers": 2, "groups": []}, "missing field.*num_kv_heads"),
+        ({"num_layers": 2, "num_kv_heads": 2, "groups": [], "beta": 1}, "unknown field.*beta"),
+    ],
+)
+def test_spec_validation_names_the_problem(data, message):
+    with pytest.raises(ConfigError, match=message):
+        ReplacementSpec.from_dict(data)
+
+
+def test_spec_json_round_trip():
+    spec = ReplacementSpec(4, 3, [(3, 1), (0, 2)], source={"scorer": "recency", "beta": 0.2})
+    again = ReplacementSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec and again.groups == [(0, 2), (3, 1)]
+
+
+def test_reuse_init_copies_values_and_differs_from_random():
+    model = tiny_model("llama")
+    spec = ReplacementSpec(2, 2, [(0, 1)])
+    reused = convert(model, spec, init="reuse").model.layers[0].self_attn.mixer
+    random_init = convert(model, spec, init="random").model.layers[0].self_attn.mixer
+    v_rows = model.model.layers[0].self_attn.v_proj.weight[12:24]  # KV head 1, head_dim 12
+    assert torch.equal(reused.in_proj.weight[:12], v_rows)
+    assert torch.equal(reused.in_proj.weight[12:24], v_rows)  # the group's second query head
+    assert not torch.equal(random_init.in_proj.weight[:12], v_rows)
+
+
+def test_parameter_report():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5))
+    report = parameter_report(model, converted)
+    assert report["original_total"] == sum(p.numel() for p in model.parameters())
+    assert report["converted_attention"] == report["original_attention"] - 2 * (48 * 24 + 2 * 48 * 12)
+    assert report["converted_total"] == report["original_total"] - report["original_attention"] + report["converted_attention"] + report["converted_mixer"]

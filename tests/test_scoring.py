@@ -1,0 +1,140 @@
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from recurformer.config import ConfigError
+from recurformer.scoring import (
+    HeadScores,
+    RecencyStatistics,
+    _stats_attention,
+    analyze,
+    groups_to_replace,
+    make_scorer,
+    select_heads,
+)
+from tiny_models import tiny_model
+
+
+def reference_statistics(attentions, window):
+    """RR, sink and sink-excluded RR straight from full attention matrices [B, H, T, T]."""
+    out = {}
+    for layer, probs in enumerate(attentions):
+        length = probs.shape[-1]
+        i = torch.arange(length)[:, None]
+        j = torch.arange(length)[None]
+        band = ((j <= i) & (j > i - window)).float()
+        rr = (probs * band).sum(-1).mean(-1).mean(0)
+        sink = probs[..., 0].mean(-1).mean(0)
+        no_sink_band = band.clone()
+        no_sink_band[:, 0] = 0
+        no_sink = ((probs * no_sink_band).sum(-1)[..., 1:] / (1 - probs[..., 1:, 0])).mean(-1).mean(0)  # 1 - sink: exact enough here
+        out[layer] = (rr, sink, no_sink)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_streaming_statistics_equal_full_eager_attention(arch):
+    model = tiny_model(arch, "eager")
+    sequences = torch.randint(0, 97, (3, 90))
+    scores = analyze(model, sequences, window=16, windows=(4, 64), progress=False)
+    with torch.no_grad():
+        attentions = model(sequences, output_attentions=True, use_cache=False).attentions
+    for w in (4, 16, 64):
+        for layer, (rr, sink, no_sink) in reference_statistics(attentions, w).items():
+            torch.testing.assert_close(torch.tensor(scores.heads[f"rr_{w}"][layer], dtype=torch.float64), rr.double(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(scores.heads[f"rr_{w}_no_sink"][layer], dtype=torch.float64), no_sink.double(), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(scores.heads["sink"][layer], dtype=torch.float64), sink.double(), atol=1e-5, rtol=0)
+    assert model.config._attn_implementation == "eager"  # restored after the run
+
+
+def test_an_attention_that_only_reads_the_previous_token_scores_one():
+    """Queries and keys built so that query i matches key i-1 only: attention on the
+    previous token (the first query can only read itself)."""
+    length = 40
+    key = torch.eye(length)[None, None] * 30.0  # [1, 1, T, T]: key j is the unit vector e_j
+    query = torch.roll(torch.eye(length), shifts=-1, dims=1)[None, None] * 30.0  # query i = e_{i-1}
+    query[..., 0, :] = key[..., 0, :]
+    stats = RecencyStatistics(1, 1, (1, 2, 16))
+    module = SimpleNamespace(num_key_value_groups=1, layer_idx=0)
+    import recurformer.scoring as scoring
+
+    scoring._active = stats
+    try:
+        _stats_attention(module, query, key, torch.randn(1, 1, length, length), None, scaling=1.0)
+    finally:
+        scoring._active = None
+    means = stats.means()
+    assert means["rr_2"][0][0] == pytest.approx(1.0, abs=1e-6)
+    assert means["rr_16"][0][0] == pytest.approx(1.0, abs=1e-6)
+    assert means["rr_1"][0][0] == pytest.approx(1 / length, abs=1e-6)  # only query 0 reads itself
+
+
+def make_scores(values):
+    """HeadScores for a 3-layer model with 4 query heads in 2 KV groups, rr_16 = values."""
+    heads = {"rr_16": values, "sink": [[0.0] * 4 for _ in values]}
+    return HeadScores("toy", len(values), 4, 2, 16, [16], 1, 8, heads)
+
+
+def test_selection_is_global_top_beta_over_groups():
+    scores = make_scores([[0.9, 0.7, 0.1, 0.2], [0.5, 0.5, 0.95, 0.85], [0.3, 0.3, 0.6, 0.8]])
+    # group means: (0,0)=0.8 (0,1)=0.15 (1,0)=0.5 (1,1)=0.9 (2,0)=0.3 (2,1)=0.7
+    assert select_heads(scores, 0.5).groups == [(0, 0), (1, 1), (2, 1)]
+    assert select_heads(scores, 0.5, make_scorer("inverse")).groups == [(0, 1), (1, 0), (2, 0)]
+    assert select_heads(scores, 0.0).groups == []
+    assert len(select_heads(scores, 1.0).groups) == 6
+    random_a = select_heads(scores, 0.5, make_scorer("random", seed=1)).groups
+    assert random_a == select_heads(scores, 0.5, make_scorer("random", seed=1)).groups
+    assert len(random_a) == 3
+
+
+@pytest.mark.parametrize("beta, expected", [(0.5, 45), (0.75, 68), (0.25, 23), (0.01, 1), (0.0, 0), (1.0, 90)])
+def test_rounding_of_beta(beta, expected):
+    assert groups_to_replace(90, beta) == expected
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.5, float("nan"), "half"])
+def test_beta_out_of_range_is_refused(beta):
+    with pytest.raises(ConfigError, match="beta must be in"):
+        groups_to_replace(10, beta)
+
+
+def test_unknown_scorer_is_refused():
+    with pytest.raises(ConfigError, match="scorer: unknown 'attention'"):
+        make_scorer("attention")
+
+
+def test_scores_json_round_trip(tmp_path):
+    scores = make_scores([[0.9, 0.7, 0.1, 0.2], [0.5, 0.5, 0.95, 0.85], [0.3, 0.3, 0.6, 0.8]])
+    scores.save(tmp_path / "scores.json")
+    again = HeadScores.load(tmp_path / "scores.json")
+    assert again.heads == scores.heads and again.groups == scores.groups
+    records = json.loads((tmp_path / "scores.json").read_text())["groups"]
+    assert records[0] == {"layer": 0, "kv_head": 0, "rr_16": pytest.approx(0.8), "sink": 0.0}
+
+
+@pytest.mark.parametrize("content, message", [("{", "not valid JSON"), ('{"a": 1}', "not a recurformer scores file")])
+def test_bad_scores_files_are_refused(tmp_path, content, message):
+    path = tmp_path / "scores.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        HeadScores.load(path)
+    with pytest.raises(ConfigError, match="not found"):
+        HeadScores.load(tmp_path / "missing.json")
+
+
+def test_sink_excluded_ratio_is_exact_when_the_sink_takes_almost_everything():
+    length = 50
+    scores = torch.randn(1, 1, length, length, dtype=torch.float64)
+    scores[..., 0] += 30.0  # the first token takes all but ~1e-12 of every row
+    causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+    probs64 = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    stats = RecencyStatistics(1, 1, (16,))
+    stats.add(0, probs64.float())
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    window = ((j <= i) & (j > i - 16) & (j > 0)).double()
+    expected = ((probs64 * window).sum(-1)[..., 1:] / probs64[..., 1:, 1:].sum(-1)).mean()
+    got = stats.means()["rr_16_no_sink"][0][0]
+    assert 0.0 <= got <= 1.0
+    assert got == pytest.approx(expected.item(), abs=1e-4)

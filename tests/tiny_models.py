@@ -1,0 +1,79 @@
+"""Tiny random Llama / Qwen2 / Mistral models built from configs: no downloads, fast on CPU."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from recurformer.config import ReplacementSpec
+
+COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
+
+# GQA with tied embeddings, GQA with q/k/v biases, and MHA: the shapes the surgery must handle.
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=6, num_key_value_heads=2, head_dim=8)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=None)),
+}
+
+
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_cls(**COMMON, **extra)
+    config._attn_implementation = attn_implementation
+    model = model_cls(config).eval()
+    # Random init gives near-uniform logits; sharper weights make mismatches visible.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+def spec_for(model, beta: float, seed: int = 0) -> ReplacementSpec:
+    """Replace a random `beta` fraction of the model's KV groups."""
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    groups = [(l, h) for l in range(layers) for h in range(heads)]
+    random.Random(seed).shuffle(groups)
+    return ReplacementSpec(layers, heads, groups[: round(beta * len(groups))])
+
+
+def tiny_tokenizer(vocab_size: int = 97):
+    """A byte-level BPE tokenizer trained on a few lines of text, offline, in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = [
+        "The quick brown fox jumps over the lazy dog.",
+        "A recurrent state has a fixed size; a KV cache grows with every token.",
+        "Attention heads that only look at the last few tokens can be replaced.",
+    ] * 20
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+
+
+def save_tiny_model(path, arch: str = "llama", seed: int = 0):
+    """A tiny model + tokenizer saved as a Hugging Face model directory; returns the path."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(arch, seed=seed)
+    assert len(tokenizer) <= model.config.vocab_size
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
