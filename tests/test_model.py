@@ -203,3 +203,19 @@ def test_parameter_report():
     assert report["original_total"] == sum(p.numel() for p in model.parameters())
     assert report["converted_attention"] == report["original_attention"] - 2 * (48 * 24 + 2 * 48 * 12)
     assert report["converted_total"] == report["original_total"] - report["original_attention"] + report["converted_attention"] + report["converted_mixer"]
+
+
+def test_importing_the_package_alone_registers_the_auto_classes(tmp_path):
+    import subprocess
+    import sys
+
+    model = tiny_model("llama")
+    convert(model, spec_for(model, 0.5)).save_pretrained(tmp_path)
+    code = (
+        "import recurformer\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
+        "print(type(m).__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "RecurFormerForCausalLM", result.stderr[-500:]

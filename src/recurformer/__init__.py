@@ -1,20 +1,37 @@
 """recurformer: replace recency-aware attention heads with Mamba blocks.
 
-Public API only; see the README and docs/ for the method and our decisions.
+Importing the package registers the `recurformer` model type with transformers' Auto
+classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads a converted model.
 """
 
-from .config import ConfigError, MixerConfig
+from .cache import HybridCache
+from .config import ConfigError, MixerConfig, ReplacementSpec
+from .hub import resolve_model
 from .mixers import MambaMixer, Mixer, build_mixer
+from .modeling import RecurFormerConfig, RecurFormerForCausalLM
 from .ops.selective_scan import selective_scan
+from .scoring import HeadScores, analyze, make_scorer, select_heads
+from .surgery import convert, parameter_report
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
-    "MixerConfig",
+    "HeadScores",
+    "HybridCache",
     "MambaMixer",
     "Mixer",
+    "MixerConfig",
+    "RecurFormerConfig",
+    "RecurFormerForCausalLM",
+    "ReplacementSpec",
+    "analyze",
     "build_mixer",
+    "convert",
+    "make_scorer",
+    "parameter_report",
+    "resolve_model",
+    "select_heads",
     "selective_scan",
     "__version__",
 ]
