@@ -130,15 +130,18 @@ def generate_hashhop(
     if n_chains is not None:
         return [make(i, n_chains) for i in range(num_problems)]
 
+    def n_tokens(index: int, chains: int) -> int:
+        return len(tokenizer.encode(make(index, chains).prompt))
+
     def fits(index: int, chains: int) -> bool:
-        return len(tokenizer.encode(make(index, chains).prompt)) <= target_tokens
+        return n_tokens(index, chains) <= target_tokens
 
     problems = []
     for i in range(num_problems):
         if not fits(i, min_chains):
             raise ValueError(
-                f"target_tokens={target_tokens} is too small: even {min_chains} chain(s) of "
-                f"{hops} hop(s) exceed it"
+                f"target_tokens={target_tokens} is too small: the prompt with {min_chains} chain(s) of "
+                f"{hops} hop(s) has {n_tokens(i, min_chains)} tokens"
             )
         lo, hi = min_chains, 2 * min_chains  # invariant: fits(lo); hi unknown until bracketed
         while fits(i, hi):
