@@ -15,8 +15,9 @@ from .data import DataError
 from .hub import ModelResolutionError
 from .modeling import UnsupportedArchitectureError
 from .surgery import SurgeryError
+from .train import TrainingDiverged
 
-USER_ERRORS = (ConfigError, DataError, ModelResolutionError, UnsupportedArchitectureError, SurgeryError)
+USER_ERRORS = (ConfigError, DataError, ModelResolutionError, UnsupportedArchitectureError, SurgeryError, TrainingDiverged)
 
 
 class UsageError(Exception):
@@ -51,6 +52,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
         init=args.init, seed=args.seed, force=args.force,
     )
     print(json.dumps(summary))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .pipeline import train_command
+    from .train import TrainConfig
+
+    config = TrainConfig(
+        stage=args.stage, steps=args.steps, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, clip=args.clip, trainable=args.trainable,
+        distill_weight=args.distill_weight, distill_temperature=args.distill_temperature, lora_rank=args.lora_rank,
+        precision=args.precision, checkpoint_every=args.checkpoint_every, seed=args.seed,
+    )
+    summary = train_command(args.dir, args.data, args.out, config, teacher=args.teacher, resume=args.resume,
+                            force=args.force, keep_checkpoint=args.keep_checkpoint)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0
 
 
@@ -91,8 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=cmd_convert)
 
+    p = commands.add_parser("train", help="continual training of a converted model (transfer or lm stage)")
+    p.add_argument("dir", help="converted model directory (from 'convert' or an earlier 'train')")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training text (.txt or .jsonl)")
+    p.add_argument("--stage", required=True, help="transfer | lm")
+    p.add_argument("--out", required=True, help="directory for the trained model, checkpoints and logs")
+    p.add_argument("--steps", type=int, help="optimizer steps (or give --tokens)")
+    p.add_argument("--tokens", type=int, help="training tokens (or give --steps)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step over all processes")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=_floats, default=1e-3)
+    p.add_argument("--warmup", type=_floats, default=0.05, help="fraction of the steps")
+    p.add_argument("--clip", type=_floats, default=1.0)
+    p.add_argument("--trainable", default="mixers", help="lm stage: mixers | mixers+lora | all")
+    p.add_argument("--distill-weight", type=_floats, default=0.0, help="lm stage: weight of KL to the original")
+    p.add_argument("--distill-temperature", type=_floats, default=1.0)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--teacher", help="the original model (default: the one recorded at conversion)")
+    p.add_argument("--precision", default="auto", help="auto | no | bf16")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--force", action="store_true", help="start over if --out exists")
+    p.add_argument("--keep-checkpoint", action="store_true", help="keep the last checkpoint after training")
+    p.set_defaults(func=cmd_train)
+
     for name, text in (
-        ("train", "continual training (transfer / lm stages)"),
         ("eval", "perplexity, HashHop, MQAR"),
         ("generate", "generate text"),
         ("bench", "cache bytes and speed against the original"),

@@ -50,6 +50,8 @@ class RecurFormerConfig(PreTrainedConfig):
     replacement: dict | None = None
     mixer: dict | None = None
     tie_word_embeddings: bool = False
+    source_model: str | None = None  # the name or path it was converted from (the teacher)
+    source_fingerprint: str | None = None  # identifies that model's weights
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

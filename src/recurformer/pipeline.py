@@ -3,7 +3,7 @@ work starts or any file is written; outputs are written atomically."""
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -19,7 +19,9 @@ from .hub import resolve_model
 from .modeling import check_architecture
 from .report import plot_head_heatmap
 from .scoring import DEFAULT_WINDOWS, HeadScores, analyze, groups_to_replace, make_scorer, select_heads
-from .surgery import INITS, convert, parameter_report
+from .surgery import INITS, convert, model_fingerprint, parameter_report
+from .train import LMObjective, TrainConfig, TransferObjective, train
+from .train.loop import CHECKPOINT
 
 
 def load_model(name_or_path: str, progress: bool = True):
@@ -30,10 +32,10 @@ def load_model(name_or_path: str, progress: bool = True):
     return model, tokenizer, directory
 
 
-def model_fingerprint(model) -> str:
-    """A short hash of the first layer's query weights: tells two same-shaped models apart."""
-    weight = model.model.layers[0].self_attn.q_proj.weight.detach().float().contiguous()
-    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
+def _portable_name(model: str) -> str:
+    """A known name stays a name; a directory becomes its absolute path."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if (path / "config.json").is_file() else str(model)
 
 
 def check_beta(beta: float) -> None:
@@ -108,7 +110,7 @@ def convert_command(
             f"not on {model} (fingerprint {fingerprint})"
         )
     spec = select_heads(head_scores, beta, chosen_scorer)
-    converted = convert(net, spec, mixer_config, init=init, seed=seed)
+    converted = convert(net, spec, mixer_config, init=init, seed=seed, source_model=_portable_name(model))
     report = parameter_report(net, converted)
     save_model_atomic(converted, tokenizer, out_dir)
     return {"groups": len(spec.groups), "fraction": spec.fraction, **report}
@@ -129,5 +131,77 @@ def save_model_atomic(model, tokenizer, out_dir: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_converted(directory: str):
+    """(RecurFormer model, tokenizer) from a directory written by convert or train."""
+    path = Path(directory)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{directory}: not a model directory (no config.json)")
+    if json.loads(config_file.read_text()).get("model_type") != "recurformer":
+        raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def load_teacher(student, teacher: str | None):
+    """The original model `student` was converted from, checked by its weight fingerprint."""
+    name = teacher or student.config.source_model
+    if not name:
+        raise ConfigError("the model does not record the model it was converted from; pass --teacher")
+    model, _, _ = load_model(name)
+    expected = student.config.source_fingerprint
+    if expected and model_fingerprint(model) != expected:
+        raise ConfigError(f"teacher {name} is not the model this one was converted from (fingerprint mismatch)")
+    return model
+
+
+def train_command(
+    directory: str,
+    data: list[str],
+    out: str,
+    config: TrainConfig,
+    teacher: str | None = None,
+    resume: bool = False,
+    force: bool = False,
+    keep_checkpoint: bool = False,
+) -> dict:
+    """Run one training stage on a converted model and save the result into `out`."""
+    out_dir = Path(out)
+    has_checkpoint = (out_dir / CHECKPOINT).exists()
+    if resume and not has_checkpoint:
+        raise ConfigError(f"--resume: no checkpoint in {out_dir}")
+    if not resume and out_dir.exists() and any(out_dir.iterdir()):
+        if not force:
+            raise ConfigError(f"output directory {out_dir} exists and is not empty (use --resume to continue or --force to start over)")
+        shutil.rmtree(out_dir)
+    documents = load_documents(data)
+    student, tokenizer = load_converted(directory)
+    check_length(config.seq_len, student.config.text_config)
+    needs_teacher = config.stage == "transfer" or config.distill_weight > 0
+    original = load_teacher(student, teacher) if needs_teacher else None
+    if config.stage == "transfer":
+        objective = TransferObjective(original, student)
+    else:
+        objective = LMObjective(config.trainable, original, config.distill_weight, config.distill_temperature, config.lora_rank)
+    sequences = token_sequences(tokenizer, documents, config.seq_len, seed=config.seed)
+    summary = train(student, objective, sequences, config, out_dir, resume=resume)
+    save_model_files(student, tokenizer, out_dir)
+    if not keep_checkpoint:
+        shutil.rmtree(out_dir / CHECKPOINT, ignore_errors=True)
+    return summary
+
+
+def save_model_files(model, tokenizer, out_dir: Path) -> None:
+    """Save model + tokenizer into `out_dir` beside other files (logs), one atomic rename per file."""
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-partial-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        for item in staging.iterdir():
+            os.replace(item, out_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -8,6 +8,7 @@ copied, and errors name the layer and head. All other weights are copied unchang
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,12 @@ class LayerPlan:
         )
 
 
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the first layer's query weights: tells two same-shaped models apart."""
+    weight = model.model.layers[0].self_attn.q_proj.weight.detach().float().contiguous()
+    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
+
+
 def _rows(heads: list[int], head_dim: int) -> Tensor:
     if not heads:
         return torch.zeros(0, dtype=torch.long)
@@ -70,6 +77,7 @@ def convert(
     mixer_config: MixerConfig | None = None,
     init: str = "reuse",
     seed: int = 0,
+    source_model: str | None = None,
 ) -> RecurFormerForCausalLM:
     """Build a RecurFormer model from a pretrained causal LM; `model` is left unchanged.
 
@@ -80,6 +88,7 @@ def convert(
         init: `reuse` derives what it can of each mixer from the replaced heads' weights
             (see docs/method.md); `random` keeps the mixer's own initialization (control).
         seed: seeds the mixers' random initialization.
+        source_model: the name or path of `model`, recorded so training can find the teacher.
     """
     if init not in INITS:
         raise ConfigError(f"init: unknown {init!r}; choose one of {', '.join(INITS)}")
@@ -92,7 +101,8 @@ def convert(
         )
     mixer_config = mixer_config or MixerConfig()
     config = RecurFormerConfig(
-        text_config=copy.deepcopy(text), replacement=spec.to_dict(), mixer=mixer_config.to_dict()
+        text_config=copy.deepcopy(text), replacement=spec.to_dict(), mixer=mixer_config.to_dict(),
+        source_model=source_model, source_fingerprint=model_fingerprint(model),
     )
     config.text_config._attn_implementation = text._attn_implementation
     with no_init_weights():

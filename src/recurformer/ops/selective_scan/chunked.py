@@ -29,6 +29,8 @@ storing [B, T, D, N] intermediates.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -38,6 +40,12 @@ from torch import Tensor
 _MAX_RANGE = 80.0
 # Exponent floor for single steps that decay by more than e^-_MAX_RANGE on their own.
 _EXP_FLOOR = -40.0
+# Floor of a whole segment's decay factor, so that decay * state is never denormal.
+_DECAY_FLOOR = math.exp(_EXP_FLOOR)
+# Elements of one [B, K, N, l, D] group buffer: small enough to stay in cache.
+_GROUP_ELEMENTS = 1 << 19
+# Steps per segment: the triangular matmul costs 2 (l + 1) flops per element of the state.
+_DEFAULT_CHUNK = 16
 
 
 def selective_scan_chunked(
@@ -76,14 +84,15 @@ def selective_scan_chunked(
     batch, _, channels = u.shape
     n_state = A.shape[1]
     if chunk_size is None:
-        chunk_size = _default_chunk(batch, channels, n_state)
+        chunk_size = _DEFAULT_CHUNK
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    group = max(1, _GROUP_ELEMENTS // (batch * n_state * channels * chunk_size))
     if initial_state is None:
         h0 = u.new_zeros(batch, n_state, channels)
     else:
         h0 = initial_state.float().transpose(1, 2)  # [B, N, D]: channels innermost, like u
-    y, h_last = _ChunkedScan.apply(delta * u, delta, A.t(), B, C, h0, chunk_size)
+    y, h_last = _ChunkedScan.apply(delta * u, delta, A.t(), B, C, h0, chunk_size, group)
     if D is not None:
         y = y + u * D.float()
     if z is not None:
@@ -92,96 +101,104 @@ def selective_scan_chunked(
     return (y, h_last.transpose(1, 2)) if return_final_state else y
 
 
-def _default_chunk(batch: int, channels: int, n_state: int) -> int:
-    """Steps per segment so that one [B, N, l, D] buffer stays near 1 MB (cache-sized)."""
-    steps = (1 << 18) // max(1, batch * n_state * channels)
-    return max(8, min(64, 1 << max(0, steps.bit_length() - 1)))
-
-
 class _ChunkedScan(torch.autograd.Function):
-    """h_t = exp(delta_t A) h_{t-1} + du_t B_t, y_t = C_t . h_t, over segments.
+    """h_t = exp(delta_t A) h_{t-1} + du_t B_t, y_t = C_t . h_t, over groups of segments.
 
     Inputs: du, delta `[B, T, D]` (du = delta * u), A_t `[N, D]`, B, C `[B, T, N]`,
     h0 `[B, N, D]`. Outputs: y `[B, T, D]`, final state `[B, N, D]`.
     """
 
     @staticmethod
-    def forward(ctx, du, delta, A_t, B, C, h0, chunk):
-        du, delta, B, C, h0 = (t.contiguous() for t in (du, delta, B, C, h0))
-        A_t = A_t.contiguous()
-        segments = _plan(delta, A_t, chunk)
-        work = _Workspace(du, A_t.shape[0], chunk)
-        starts = [h0]  # state before each segment; the backward recomputes from these
-        ys = []
-        for t0, t1 in segments:
-            parts = _Segment(work, du, delta, A_t, B, C, t0, t1)
-            h = parts.states(starts[-1])
-            ys.append(torch.matmul(C[:, t0:t1, None, :], h.transpose(1, 2)).squeeze(2))
-            starts.append(h[:, :, -1].clone())
-        y = torch.cat(ys, dim=1) if ys else du.new_zeros(du.shape)
-        ctx.segments = segments
-        ctx.chunk = chunk
-        ctx.save_for_backward(du, delta, A_t, B, C, *starts)
-        return y, starts[-1]
+    def forward(ctx, du, delta, A_t, B, C, h0, chunk, group):
+        du, delta, A_t, B, C = (t.contiguous() for t in (du, delta, A_t, B, C))
+        groups = _plan(delta, A_t, chunk, group)
+        n_segments = sum(count for _, count, _ in groups)
+        # states[:, k] is the state before segment k; the backward recomputes from them
+        states = h0.new_empty(h0.shape[0], n_segments + 1, *h0.shape[1:])
+        states[:, 0] = h0
+        y = torch.empty_like(du)
+        work = _Workspace(du, A_t.shape[0], groups)
+        k = 0
+        for t0, count, length in groups:
+            part = _Group(work, du, delta, A_t, B, C, t0, count, length)
+            y[:, t0 : part.t1] = part.forward(states[:, k : k + count + 1]).reshape(y.shape[0], -1, y.shape[2])
+            k += count
+        ctx.groups = groups
+        ctx.save_for_backward(du, delta, A_t, B, C, states)
+        return y, states[:, -1].clone()
 
     @staticmethod
     def backward(ctx, gy, g_last):
-        du, delta, A_t, B, C, *starts = ctx.saved_tensors
+        du, delta, A_t, B, C, states = ctx.saved_tensors
         gy = torch.zeros_like(du) if gy is None else gy.float().contiguous()
-        g_state = torch.zeros_like(starts[0]) if g_last is None else g_last.float().contiguous()
-        work = _Workspace(du, A_t.shape[0], ctx.chunk, backward=True)
-        g_du, g_delta = torch.empty_like(du), torch.empty_like(delta)
-        g_B, g_C = torch.empty_like(B), torch.empty_like(C)
-        g_A = torch.zeros_like(A_t)
-        for (t0, t1), h_start in zip(reversed(ctx.segments), reversed(starts[:-1])):
-            parts = _Segment(work, du, delta, A_t, B, C, t0, t1)
-            g_state = parts.backward(h_start, gy[:, t0:t1], g_state, g_du, g_delta, g_B, g_C, g_A)
-        return g_du, g_delta, g_A, g_B, g_C, g_state, None
+        g_state = torch.zeros_like(states[:, 0]) if g_last is None else g_last.float().contiguous()
+        work = _Workspace(du, A_t.shape[0], ctx.groups, backward=True)
+        grads = _Grads(torch.empty_like(du), torch.empty_like(delta), torch.zeros_like(A_t), torch.empty_like(B), torch.empty_like(C))
+        k = states.shape[1] - 1
+        for t0, count, length in reversed(ctx.groups):
+            part = _Group(work, du, delta, A_t, B, C, t0, count, length)
+            g_state = part.backward(states[:, k - count : k], gy, g_state, grads)
+            k -= count
+        return grads.du, grads.delta, grads.A_t, grads.B, grads.C, g_state, None, None
 
 
-def _plan(delta: Tensor, A_t: Tensor, chunk: int) -> list[tuple[int, int]]:
-    """Cut [0, T) into segments of at most `chunk` steps whose log-decay range fits.
+def _plan(delta: Tensor, A_t: Tensor, chunk: int, group: int) -> list[tuple[int, int, int]]:
+    """Cut [0, T) into groups `(t0, count, length)` of `count` consecutive segments of `length` steps.
 
-    The range of a segment is max over (batch, channel) of max_n |A| * sum(delta): the
-    largest |S| from its start to its end (delta >= 0). Full chunks are checked with one
-    reduction; only chunks over the limit are cut further, greedily.
+    A segment's log-decay range is max over (batch, channel) of max_n |A| * sum(delta):
+    the largest |S| from its start to its end (delta >= 0). Full chunks are checked with
+    one reduction and grouped `group` at a time; chunks over the limit are cut greedily
+    into pieces that fit, each its own group, and so is a ragged tail.
     """
     batch, length, channels = delta.shape
     a_max = A_t.abs().amax(0)  # [D]
     n_full = length // chunk
-    bounds = [(c * chunk, (c + 1) * chunk) for c in range(n_full)]
     sums = delta[:, : n_full * chunk].reshape(batch, n_full, chunk, channels).sum(2)
+    ok = ((sums * a_max).amax(dim=(0, 2)) <= _MAX_RANGE).tolist()
+    groups: list[tuple[int, int, int]] = []
+    for c, fits in enumerate(ok):
+        t0 = c * chunk
+        if not fits:
+            groups.extend(_split_stiff(delta, a_max, t0, t0 + chunk))
+        elif groups and groups[-1][2] == chunk and groups[-1][1] < group and groups[-1][0] + groups[-1][1] * chunk == t0:
+            groups[-1] = (groups[-1][0], groups[-1][1] + 1, chunk)
+        else:
+            groups.append((t0, 1, chunk))
     if n_full * chunk < length:
-        bounds.append((n_full * chunk, length))
-        sums = torch.cat([sums, delta[:, n_full * chunk :].sum(1, keepdim=True)], dim=1)
-    ranges = (sums * a_max).amax(dim=(0, 2)).tolist()
-    segments = []
-    for (t0, t1), r in zip(bounds, ranges):
-        segments.extend([(t0, t1)] if r <= _MAX_RANGE else _split_stiff(delta, a_max, t0, t1))
-    return segments
+        groups.extend(_split_stiff(delta, a_max, n_full * chunk, length))
+    return groups
 
 
-def _split_stiff(delta: Tensor, a_max: Tensor, t0: int, t1: int) -> list[tuple[int, int]]:
+def _split_stiff(delta: Tensor, a_max: Tensor, t0: int, t1: int) -> list[tuple[int, int, int]]:
     """Greedy cut of [t0, t1): each piece is the longest prefix that fits (at least one step)."""
     prefix = F.pad(delta[:, t0:t1].double().cumsum(1), (0, 0, 1, 0))  # [B, l + 1, D]
     pieces, s, length = [], 0, t1 - t0
     while s < length:
         ranges = ((prefix[:, s + 1 :] - prefix[:, s : s + 1]) * a_max).amax(dim=(0, 2))
         k = max(1, int((ranges <= _MAX_RANGE).sum()))  # ranges grow with k: count = last fit
-        pieces.append((t0 + s, t0 + s + k))
+        pieces.append((t0 + s, 1, k))
         s += k
     return pieces
 
 
-class _Workspace:
-    """Reusable flat buffers, viewed per segment as contiguous [B, N, l(+1), D] blocks."""
+class _Grads:
+    """Full-length gradient tensors that each group writes its slice of."""
 
-    def __init__(self, like: Tensor, n_state: int, chunk: int, backward: bool = False):
+    def __init__(self, du, delta, A_t, B, C):
+        self.du, self.delta, self.A_t, self.B, self.C = du, delta, A_t, B, C
+
+
+class _Workspace:
+    """Flat buffers reused by every group, viewed as contiguous [B, K, N, l(+1), *] blocks."""
+
+    def __init__(self, like: Tensor, n_state: int, groups, backward: bool = False):
         batch, _, channels = like.shape
-        size = batch * n_state * (chunk + 1) * max(channels, chunk + 1)
-        names = ("E", "Y", "G", "M") + (("P", "W", "gY", "K", "M2") if backward else ())
+        size = max((count * (length + 1) * max(channels, length + 1) for _, count, length in groups), default=0)
+        size *= batch * n_state
+        names = ("E", "Y", "G", "M") + (("P", "W", "gY", "WY", "M2") if backward else ())
         self.buffers = {name: like.new_empty(size) for name in names}
-        self.tril = torch.ones(chunk, chunk, dtype=like.dtype).tril_()
+        self.tril: dict[int, Tensor] = {}
+        self.centring: dict[int, Tensor] = {}
 
     def view(self, name: str, *shape: int) -> Tensor:
         numel = 1
@@ -189,102 +206,140 @@ class _Workspace:
             numel *= s
         return self.buffers[name][:numel].view(shape)
 
+    def matrices(self, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Lower-triangular ones `[l, l]`, and the centring matrix `[l + 1, l]`.
 
-class _Segment:
-    """Steps [t0, t1) of the scan: the log-space forward, and its hand-written adjoint.
+        centring @ delta gives, in rows t < l, cum_t - cum_l / 2, and in row l, cum_l / 2.
+        """
+        if length not in self.tril:
+            tril = torch.ones(length, length, dtype=like.dtype).tril_()
+            self.tril[length] = tril
+            self.centring[length] = torch.cat([tril - 0.5, tril.new_full((1, length), 0.5)])
+        return self.tril[length], self.centring[length]
 
-    Shapes: b batch, n state, t/s steps in the segment (l of them), d channels. The extra
-    row l of E / Y holds the carried state: Y[l] = exp(m) * H enters every h_t with weight 1.
+
+class _Group:
+    """Steps [t0, t0 + K l) of the scan as K segments of l steps: forward, and hand-written adjoint.
+
+    Shapes: b batch, k segment, n state, t/s step in a segment, d channel. Row l of E and Y
+    carries the segment's start state: Y[l] = exp(m) H enters every h_t with weight 1.
     """
 
-    def __init__(self, work, du, delta, A_t, B, C, t0, t1):
+    def __init__(self, work, du, delta, A_t, B, C, t0, count, length):
         self.work, self.A_t = work, A_t
-        self.du, self.delta = du[:, t0:t1], delta[:, t0:t1]  # [b, l, d]
-        self.B, self.C = B[:, t0:t1], C[:, t0:t1]  # [b, l, n]
-        self.t0, self.t1 = t0, t1
-        self.batch, self.length, self.channels = self.du.shape
-        self.n_state = A_t.shape[0]
+        self.t0, self.t1 = t0, t0 + count * length
+        batch, _, channels = du.shape
+        n_state = A_t.shape[0]
+        self.shape = (batch, count, n_state, length, channels)
+        self.du = du[:, t0 : self.t1].view(batch, count, length, channels)
+        self.delta = delta[:, t0 : self.t1].view(batch, count, length, channels)
+        # [b, k, n, l]: the state axis before the step axis, like E and Y
+        self.B = B[:, t0 : self.t1].view(batch, count, length, n_state).transpose(2, 3)
+        self.C = C[:, t0 : self.t1].view(batch, count, length, n_state).transpose(2, 3)
+        self.tril, self.centring = work.matrices(length, du)
 
-    def _centring(self) -> Tensor:
-        """[l + 1, l]: rows t < l give cum_t - cum_l / 2, row l gives cum_l / 2."""
-        length = self.length
-        tril = self.work.tril[:length, :length]
-        return torch.cat([tril - 0.5, tril.new_full((1, length), 0.5)])
-
-    def states(self, H: Tensor) -> Tensor:
-        """All states h_t of the segment `[b, n, l, d]` (a workspace view), from start state H."""
-        b, n, length, d = self.batch, self.n_state, self.length, self.channels
+    def _local(self) -> None:
+        """The parts that do not depend on the start states: E, Y[:l], M."""
+        b, k, n, length, d = self.shape
         work = self.work
-        self.centring = self._centring()
-        self.cmh = torch.matmul(self.centring, self.delta)  # [b, l + 1, d]
-        # E[t] = exp(A (cum_t - cum_l / 2)); E[l] = exp(A cum_l / 2) = exp(m)
-        E = work.view("E", b, n, length + 1, d)
-        torch.mul(self.cmh[:, None], self.A_t[:, None, :], out=E)
+        self.cmh = torch.matmul(self.centring, self.delta)  # [b, k, l + 1, d]
+        # E[t] = exp(A (cum_t - cum_l / 2)) for t < l; E[l] = exp(A cum_l / 2) = exp(m)
+        E = work.view("E", b, k, n, length + 1, d)
+        torch.mul(self.cmh[:, :, None], self.A_t[:, None, :], out=E)
         if length == 1:  # the only segments allowed to exceed the range: see module docstring
             E.clamp_(min=_EXP_FLOOR)
         E.exp_()
-        Y = work.view("Y", b, n, length + 1, d)
-        torch.div(self.du[:, None], E[:, :, :length], out=Y[:, :, :length])
-        torch.mul(E[:, :, length], H, out=Y[:, :, length])
-        # M[t, s] = [s <= t] B_s for s < l, and 1 for the carried-state column s = l
-        M = work.view("M", b, n, length, length + 1)
-        torch.mul(work.tril[:length, :length], self.B.transpose(1, 2)[:, :, None, :], out=M[..., :length])
+        Y = work.view("Y", b, k, n, length + 1, d)
+        torch.div(self.du[:, :, None], E[..., :length, :], out=Y[..., :length, :])
+        # M[t, s] = [s <= t] B_s for s < l, and 1 in the carried-state column s = l
+        M = work.view("M", b, k, n, length, length + 1)
+        torch.mul(self.tril, self.B[..., None, :], out=M[..., :length])
         M[..., length] = 1.0
-        G = work.view("G", b, n, length, d)
-        torch.bmm(M.view(b * n, length, length + 1), Y.view(b * n, length + 1, d), out=G.view(b * n, length, d))
-        G.mul_(E[:, :, :length])
         self.E, self.Y, self.M = E, Y, M
-        return G
+        # decay over a whole segment, exp(A cum_l) = E[l-1] E[l]; floored so that
+        # decay * state never becomes denormal (a change below e^-40 of the state)
+        self.decay = (E[..., length - 1, :] * E[..., length, :]).clamp_(min=_DECAY_FLOOR)  # [b, k, n, d]
 
-    def backward(self, H, gy, g_end, g_du, g_delta, g_B, g_C, g_A) -> Tensor:
-        """Write this segment's gradients into the full-length outputs; return dL/dH.
+    def _states(self, H: Tensor, M: Tensor) -> Tensor:
+        """M Y, elementwise times E: the states h_t `[b, k, n, l, d]` (a workspace view) when M
+        is the matrix built by `_local`, from start states H `[b, k, n, d]`."""
+        b, k, n, length, d = self.shape
+        torch.mul(self.E[..., length, :], H, out=self.Y[..., length, :])
+        G = self.work.view("G", b, k, n, length, d)
+        torch.bmm(M.view(-1, length, length + 1), self.Y.view(-1, length + 1, d), out=G.view(-1, length, d))
+        return G.mul_(self.E[..., :length, :])
 
-        gy: `[b, l, d]` gradient of y; g_end: `[b, n, d]` gradient of the segment's last state.
-        The adjoint of h is g_t = C_t gy_t + exp(delta_{t+1} A) g_{t+1}; in log space it is
-        again one triangular matmul, here M2 applied to W = gy * E.
+    def forward(self, states: Tensor) -> Tensor:
+        """Fill states[:, 1:] from states[:, 0] (`[b, k + 1, n, d]`); return y `[b, k, l, d]`."""
+        b, k, n, length, d = self.shape
+        self._local()
+        # end state of each segment from a zero start: E[l-1] sum_s B_s Y_s (row l-1 of M Y)
+        local_end = torch.matmul(self.B[..., None, :], self.Y[..., :length, :]).squeeze(-2)
+        local_end.mul_(self.E[..., length - 1, :])
+        for j in range(k):  # the only sequential part: one small op per segment
+            torch.addcmul(local_end[:, j], self.decay[:, j], states[:, j], out=states[:, j + 1])
+        # y_t = sum_n C_t h_t: scaling row t of M by C_t leaves only a sum over n to do,
+        # which is cheaper than contracting h with C (that would need h copied to [.., t, n, d])
+        self.M.mul_(self.C[..., None])
+        return self._states(states[:, :k], self.M).sum(2)
+
+    def backward(self, starts: Tensor, gy: Tensor, g_end: Tensor, grads: _Grads) -> Tensor:
+        """Write this group's gradients into `grads`; return dL/d(state before the group).
+
+        starts: `[b, k, n, d]` saved start states; gy: `[B, T, d]` (the full gradient of y);
+        g_end: `[b, n, d]` gradient of the state after the group. The adjoint of h,
+        g_t = C_t gy_t + exp(delta_{t+1} A) g_{t+1}, is again one triangular matmul in
+        log space (M2 below), and a one-op-per-segment recurrence across segments.
         """
-        b, n, length, d = self.batch, self.n_state, self.length, self.channels
+        b, k, n, length, d = self.shape
         work, t0, t1 = self.work, self.t0, self.t1
-        h = self.states(H)
-        E, Y, M = self.E, self.Y, self.M
-        C_t = self.C.transpose(1, 2)  # [b, n, l]
+        self._local()
+        h = self._states(starts, self.M)
+        E, Y, M, C = self.E, self.Y, self.M, self.C
+        gy = gy[:, t0:t1].view(b, k, 1, length, d)
 
-        # P = gy * h gives dL/dC, and (times C) the h-term of the log-decay gradient
-        P = work.view("P", b, n, length, d)
-        torch.mul(h, gy[:, None], out=P)
-        g_C[:, t0:t1] = P.sum(-1).transpose(1, 2)
+        # P = gy * h gives dL/dC, and (times C) the h-term of the exponent gradient
+        P = work.view("P", b, k, n, length, d)
+        torch.mul(h, gy, out=P)
+        grads.C[:, t0:t1] = P.sum(-1).transpose(2, 3).reshape(b, -1, n)
 
-        # dL/dG = (C gy + [t = l-1] g_end) * E, written as W = gy * E plus row l = g_end * E_{l-1}
-        W = work.view("W", b, n, length + 1, d)
-        torch.mul(E[:, :, :length], gy[:, None], out=W[:, :, :length])
-        torch.mul(E[:, :, length - 1], g_end, out=W[:, :, length])
-        # dL/dY = M^T dL/dG = M2 W with M2[s, t] = M[t, s] C_t (t < l), M2[s, l] = M[l-1, s]
-        M2 = work.view("M2", b, n, length + 1, length + 1)
-        torch.mul(M, C_t[..., None], out=M2[..., :length].transpose(-1, -2))
-        M2[..., length] = M[:, :, length - 1]
-        gY = work.view("gY", b, n, length + 1, d)
-        torch.bmm(M2.view(b * n, length + 1, length + 1), W.view(b * n, length + 1, d), out=gY.view(b * n, length + 1, d))
+        # dL/dG = (C gy + [t = l-1] g_end_k) E, kept as W = gy E plus row l = g_end_k E[l-1]
+        W = work.view("W", b, k, n, length + 1, d)
+        torch.mul(E[..., :length, :], gy, out=W[..., :length, :])
+        # g_end_k is the gradient of the state after segment k: a reverse recurrence
+        # g_start_k = E[l] (sum_t C_t W_t) + decay_k g_end_k
+        g_from_y = torch.matmul(C[..., None, :], W[..., :length, :]).squeeze(-2).mul_(E[..., length, :])
+        g_ends = torch.empty_like(starts)
+        for j in reversed(range(k)):
+            g_ends[:, j] = g_end
+            g_end = torch.addcmul(g_from_y[:, j], self.decay[:, j], g_end)
+        torch.mul(E[..., length - 1, :], g_ends, out=W[..., length, :])
+        # dL/dY = M^T dL/dG = M2 W, with M2[s, t] = M[t, s] C_t (t < l), M2[s, l] = M[l-1, s]
+        M2 = work.view("M2", b, k, n, length + 1, length + 1)
+        torch.mul(M, C[..., None], out=M2[..., :length].transpose(-1, -2))
+        M2[..., length] = M[..., length - 1, :]
+        gY = work.view("gY", b, k, n, length + 1, d)
+        torch.bmm(M2.view(-1, length + 1, length + 1), W.view(-1, length + 1, d), out=gY.view(-1, length + 1, d))
 
-        # dL/dB_s = sum_{t >= s} dL/dM[t, s], with dL/dM = dL/dG Y^T = diag(C, 1) (W Y^T)
-        K = work.view("K", b, n, length + 1, length + 1)
-        torch.bmm(W.view(b * n, length + 1, d), Y.view(b * n, length + 1, d).transpose(1, 2), out=K.view(b * n, length + 1, length + 1))
-        tril = work.tril[:length, :length]
-        g_M = K[:, :, :length, :length] * C_t[..., None] * tril
-        g_B[:, t0:t1] = (g_M.sum(2) + K[:, :, length, :length]).transpose(1, 2)
+        # dL/dB_s = sum_{t >= s} dL/dM[t, s], where dL/dM = dL/dG Y^T = diag(C, 1) W Y^T
+        WY = work.view("WY", b, k, n, length + 1, length + 1)
+        torch.bmm(W.view(-1, length + 1, d), Y.view(-1, length + 1, d).transpose(1, 2), out=WY.view(-1, length + 1, length + 1))
+        g_B = (WY[..., :length, :length] * C[..., None] * self.tril).sum(-2) + WY[..., length, :length]
+        grads.B[:, t0:t1] = g_B.transpose(2, 3).reshape(b, -1, n)
 
         # Y[t] = du_t / E[t]  ->  dL/ddu_t = sum_n gY[t] / E[t]
-        g_du[:, t0:t1] = (gY[:, :, :length] / E[:, :, :length]).sum(1)
-        # Y[l] = E[l] H  ->  dL/dH = gY[l] E[l]
-        g_start = gY[:, :, length] * E[:, :, length]
+        grads.du[:, t0:t1] = (gY[..., :length, :] / E[..., :length, :]).sum(2).view(b, -1, d)
 
-        # Gradient w.r.t. the exponents A * cmh (dL/dE * E): h-term minus Y-term
-        P.mul_(C_t[..., None])
-        P[:, :, length - 1].addcmul_(g_end, h[:, :, length - 1])
-        P.addcmul_(gY[:, :, :length], Y[:, :, :length], value=-1.0)
-        g_exp_last = gY[:, :, length] * Y[:, :, length]  # row l: Y[l] = E[l] H
-        g_A.add_((P * self.cmh[:, None, :length]).sum((0, 2)))
-        g_A.add_((g_exp_last * self.cmh[:, None, length]).sum(0))
+        # Gradient w.r.t. the exponents A * cmh (= dL/dE * E): h-term minus Y-term; row l
+        # only has the Y-term (Y[l] = E[l] H)
+        P.mul_(C[..., None])
+        P[..., length - 1, :].addcmul_(g_ends, h[..., length - 1, :])
+        P.addcmul_(gY[..., :length, :], Y[..., :length, :], value=-1.0)
+        g_exp_last = gY[..., length, :] * Y[..., length, :]  # [b, k, n, d]
+        cmh = self.cmh
+        grads.A_t.add_((P * cmh[:, :, None, :length]).sum((0, 1, 3)))
+        grads.A_t.add_((g_exp_last * cmh[:, :, None, length]).sum((0, 1)))
         P.mul_(self.A_t[:, None, :])
-        g_cmh = torch.cat([P.sum(1), (g_exp_last * self.A_t).sum(1, keepdim=True)], dim=1)  # [b, l + 1, d]
-        g_delta[:, t0:t1] = torch.matmul(self.centring.t(), g_cmh)
-        return g_start
+        g_cmh = torch.cat([P.sum(2), (g_exp_last * self.A_t).sum(2, keepdim=True)], dim=2)  # [b, k, l + 1, d]
+        grads.delta[:, t0:t1] = torch.matmul(self.centring.t(), g_cmh).view(b, -1, d)
+        return g_end

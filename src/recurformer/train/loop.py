@@ -1,0 +1,292 @@
+"""The training loop shared by both stages: accelerate-based, resumable, atomic checkpoints.
+
+Launch it as a plain process, or with `torchrun --nproc_per_node N` / `accelerate launch`
+for data parallelism (DDP; FSDP through an accelerate config) without code changes.
+
+Determinism: the data order is a function of `(seed, step)` only, so a checkpoint needs
+just the step number besides the model, optimizer, scheduler and RNG states; a resumed
+run reaches bit-identical parameters on CPU. A global batch of `batch_size` sequences is
+split into equal contiguous shards, one per process, and each shard into `grad_accum`
+micro-batches: every token has the same weight whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..config import ConfigError
+from ..files import write_json_atomic
+
+STAGES = ("transfer", "lm")
+TRAINABLE_SETS = ("mixers", "mixers+lora", "all")
+PRECISIONS = ("auto", "no", "bf16")
+CHECKPOINT = "checkpoint"
+LOG = "train_log.jsonl"
+SUMMARY = "train_summary.json"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of one training stage; `--flag` names in errors match the CLI."""
+
+    stage: str = "transfer"
+    steps: int | None = None
+    tokens: int | None = None  # alternative to steps: steps = ceil(tokens / (batch_size * seq_len))
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per optimizer step, over all processes
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup: float = 0.05  # fraction of the steps
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    trainable: str = "mixers"
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
+    lora_rank: int = 8
+    precision: str = "auto"
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.stage in STAGES, f"--stage: unknown {self.stage!r}; choose one of {', '.join(STAGES)}")
+        _require((self.steps is None) != (self.tokens is None), "give exactly one of --steps and --tokens")
+        _require(self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        _require(self.tokens is None or self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}")
+        _require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        _require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        _require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        _require(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}")
+        _require(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(0 <= self.warmup < 1, f"--warmup must be in [0, 1), got {self.warmup}")
+        _require(self.clip > 0, f"--clip must be > 0, got {self.clip}")
+        _require(self.trainable in TRAINABLE_SETS, f"--trainable: unknown {self.trainable!r}; choose one of {', '.join(TRAINABLE_SETS)}")
+        _require(self.stage == "lm" or self.trainable == "mixers", "--trainable applies to --stage lm; the transfer stage trains the mixers only")
+        _require(self.distill_weight >= 0, f"--distill-weight must be >= 0, got {self.distill_weight}")
+        _require(self.distill_temperature > 0, f"--distill-temperature must be > 0, got {self.distill_temperature}")
+        _require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
+        _require(self.precision in PRECISIONS, f"--precision: unknown {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        _require(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+
+    @property
+    def total_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        return math.ceil(self.tokens / (self.batch_size * self.seq_len))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Objective(Protocol):
+    """A training stage: what trains, and the loss of a micro-batch."""
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Freeze and wrap as the stage needs; return the module to optimize."""
+
+    def loss(self, module: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """Mean loss of `input_ids` `[b, T]` and extra metrics to log."""
+
+    def finish(self, module: nn.Module) -> nn.Module:
+        """The model to save after training (e.g. LoRA merged)."""
+
+
+def global_batch(step: int, num_sequences: int, batch_size: int, seed: int) -> Tensor:
+    """Indices `[batch_size]` of the sequences of `step`: epochs of seeded permutations."""
+    first = step * batch_size
+    rows = []
+    while len(rows) < batch_size:
+        epoch, offset = divmod(first + len(rows), num_sequences)
+        order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        rows.extend(order[offset:offset + batch_size - len(rows)].tolist())
+    return torch.tensor(rows)
+
+
+def lr_factor(step: int, total: int, warmup: float, min_ratio: float) -> float:
+    """Linear warmup over `warmup * total` steps, then cosine down to `min_ratio`."""
+    warm = max(1, round(warmup * total)) if warmup > 0 else 0
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases, norms, and Mamba's A_log and D (as in Mamba)."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = p.dim() < 2 or name.endswith(("A_log", ".D", "bias"))
+        (no_decay if plain else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _precision(choice: str) -> str:
+    if choice == "auto":  # bf16 autocast only where it pays: CUDA devices that support it
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return choice
+
+
+def train(
+    model: nn.Module,
+    objective: Objective,
+    sequences: Tensor,
+    config: TrainConfig,
+    out_dir: str | Path,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train `model` in place on `sequences` `[N, seq_len]`; checkpoints and logs in `out_dir`.
+
+    Returns the summary (also written to `out_dir/train_summary.json`). The trained model is
+    `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
+    """
+    out_dir = Path(out_dir)
+    # The schedule is per optimizer step, whatever the number of processes (accelerate would
+    # otherwise step it once per process).
+    accelerator = Accelerator(
+        mixed_precision=_precision(config.precision), cpu=not torch.cuda.is_available(),
+        step_scheduler_with_optimizer=False,
+    )
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_process = config.batch_size // world
+    _require(per_process * world == config.batch_size, f"--batch-size {config.batch_size} is not divisible by {world} processes")
+    micro = per_process // config.grad_accum
+    _require(micro * config.grad_accum == per_process, f"--batch-size {config.batch_size} / {world} processes is not divisible by --grad-accum {config.grad_accum}")
+    _require(len(sequences) >= 1 and sequences.shape[1] == config.seq_len, "training sequences do not match --seq-len")
+
+    set_seed(config.seed)
+    module = objective.prepare(model)
+    optimizer = torch.optim.AdamW(_param_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    total = config.total_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, config.warmup, config.min_lr_ratio)
+    )
+    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+
+    checkpoint = out_dir / CHECKPOINT
+    start_step, elapsed_before = 0, 0.0
+    if resume:
+        if not (checkpoint / "trainer_state.json").is_file():
+            raise ConfigError(f"--resume: no checkpoint in {out_dir}")
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        if state["config"] != config.to_dict():
+            changed = sorted(k for k in state["config"] if state["config"][k] != config.to_dict().get(k))
+            raise ConfigError(f"--resume: the checkpoint was made with other settings ({', '.join(changed)})")
+        accelerator.load_state(str(checkpoint))
+        start_step, elapsed_before = state["step"], state["elapsed"]
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_log(out_dir / LOG, start_step)
+
+    tokens_per_step = config.batch_size * config.seq_len
+    bar = tqdm(total=total, initial=start_step, desc=f"train {config.stage}", unit="step",
+               disable=not (progress and accelerator.is_main_process))
+    started = time.monotonic()
+    last_loss = float("nan")
+    for step in range(start_step, total):
+        rows = global_batch(step, len(sequences), config.batch_size, config.seed)
+        shard = sequences[rows[rank * per_process:(rank + 1) * per_process]]
+        step_loss = torch.zeros((), device=accelerator.device)
+        metrics: dict[str, float] = {}
+        for i in range(config.grad_accum):
+            batch = shard[i * micro:(i + 1) * micro].to(accelerator.device)
+            sync = i == config.grad_accum - 1
+            with (nullcontext() if sync else accelerator.no_sync(module)), accelerator.autocast():
+                loss, extra = objective.loss(module, batch)
+                accelerator.backward(loss / config.grad_accum)
+            step_loss += loss.detach() / config.grad_accum
+            for k, v in extra.items():
+                metrics[k] = metrics.get(k, 0.0) + v / config.grad_accum
+        step_loss = accelerator.reduce(step_loss, reduction="mean")
+        if not torch.isfinite(step_loss):
+            kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "no checkpoint was written yet"
+            raise TrainingDiverged(f"loss became {step_loss.item()} at step {step}; stopped, {kept}")
+        grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        done = step + 1
+        elapsed = elapsed_before + time.monotonic() - started
+        last_loss = step_loss.item()
+        record = {
+            "step": done, "loss": last_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+            "tokens": done * tokens_per_step, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": (done - start_step) * tokens_per_step / max(time.monotonic() - started, 1e-9), **metrics,
+        }
+        if accelerator.is_main_process:
+            with open(out_dir / LOG, "a") as log:
+                log.write(json.dumps(record) + "\n")
+        bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.update(1)
+        if done % config.checkpoint_every == 0 or done == total:
+            _save_checkpoint(accelerator, checkpoint, {"step": done, "elapsed": elapsed, "config": config.to_dict()})
+    bar.close()
+
+    summary = {
+        "stage": config.stage, "steps": total, "tokens": total * tokens_per_step,
+        "final_loss": last_loss if start_step < total else _last_logged_loss(out_dir / LOG),
+        "elapsed_s": round(elapsed_before + time.monotonic() - started, 3),
+        "processes": world, "config": config.to_dict(),
+    }
+    accelerator.wait_for_everyone()
+    objective.finish(accelerator.unwrap_model(module))
+    if accelerator.is_main_process:
+        write_json_atomic(out_dir / SUMMARY, summary)
+    accelerator.end_training()
+    return summary
+
+
+def _save_checkpoint(accelerator: Accelerator, checkpoint: Path, state: dict) -> None:
+    """Write the checkpoint beside the old one, then swap: an interruption keeps the old."""
+    staging = checkpoint.with_name(f".{checkpoint.name}.partial")
+    if accelerator.is_main_process and staging.exists():
+        shutil.rmtree(staging)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    if accelerator.is_main_process:
+        write_json_atomic(staging / "trainer_state.json", state)
+        old = checkpoint.with_name(f".{checkpoint.name}.old")
+        if checkpoint.exists():
+            os.replace(checkpoint, old)
+        os.replace(staging, checkpoint)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the log lines up to `step` (a resumed run rewrites what came after)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def _last_logged_loss(path: Path) -> float:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["loss"] if lines else float("nan")

@@ -1,0 +1,193 @@
+"""Training stages on tiny models: what trains, that it learns, resume and data parallelism."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recurformer.config import ConfigError
+from recurformer.surgery import convert
+from recurformer.train import LMObjective, TrainConfig, TrainingDiverged, TransferObjective, train
+from tiny_models import spec_for, tiny_model
+
+SEQ = 32
+
+
+def setup(init="random", beta=0.5, arch="llama"):
+    teacher = tiny_model(arch)
+    student = convert(teacher, spec_for(teacher, beta), init=init)
+    sequences = torch.randint(0, 97, (16, SEQ), generator=torch.Generator().manual_seed(0))
+    return teacher, student, sequences
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_transfer_mse_falls_tenfold_on_a_fixed_batch(tmp_path):
+    teacher, student, sequences = setup()
+    config = TrainConfig(stage="transfer", steps=120, seq_len=SEQ, batch_size=4, lr=1e-2, warmup=0.0)
+    train(student, TransferObjective(teacher, student), sequences[:4], config, tmp_path, progress=False)
+    losses = [r["loss"] for r in log(tmp_path)]
+    assert losses[-1] * 10 <= losses[0], (losses[0], losses[-1])
+
+
+def changed_parameters(model, before):
+    return {n for n, p in model.state_dict().items() if not torch.equal(p, before[n])}
+
+
+@pytest.mark.parametrize("stage, trainable", [("transfer", "mixers"), ("lm", "mixers"), ("lm", "mixers+lora"), ("lm", "all")])
+def test_only_the_intended_parameters_change(tmp_path, stage, trainable):
+    teacher, student, sequences = setup()
+    before = {n: p.clone() for n, p in student.state_dict().items()}
+    teacher_before = {n: p.clone() for n, p in teacher.state_dict().items()}
+    config = TrainConfig(stage=stage, steps=2, seq_len=SEQ, batch_size=4, lr=1e-2, trainable=trainable, warmup=0.0)
+    objective = TransferObjective(teacher, student) if stage == "transfer" else LMObjective(trainable)
+    train(student, objective, sequences, config, tmp_path, progress=False)
+    changed = changed_parameters(student, before)
+    assert set(student.state_dict()) == set(before)  # LoRA merged away, nothing added
+    mixers = {n for n in before if ".mixer." in n}
+    projections = {n for n in before if n.rsplit(".", 2)[-2] in {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}}
+    if trainable == "mixers":
+        assert changed == mixers
+    elif trainable == "mixers+lora":
+        assert mixers <= changed and changed <= mixers | projections
+        assert changed & projections
+    else:
+        assert len(changed) >= 0.9 * len(before)
+    assert not changed_parameters(teacher, teacher_before)
+
+
+class Interrupt(Exception):
+    pass
+
+
+class StopsAt:
+    """Wraps an objective and raises after `calls` losses (a crash mid-run)."""
+
+    def __init__(self, objective, calls):
+        self.objective, self.calls = objective, calls
+
+    def prepare(self, model):
+        return self.objective.prepare(model)
+
+    def loss(self, module, ids):
+        self.calls -= 1
+        if self.calls < 0:
+            raise Interrupt()
+        return self.objective.loss(module, ids)
+
+    def finish(self, module):
+        return self.objective.finish(module)
+
+
+@pytest.mark.parametrize("trainable", ["mixers", "mixers+lora"])
+def test_resumed_run_is_bit_identical(tmp_path, trainable):
+    config = TrainConfig(stage="lm", steps=6, seq_len=SEQ, batch_size=4, grad_accum=2, lr=5e-3, trainable=trainable,
+                         checkpoint_every=2, warmup=0.2)
+    _, straight, sequences = setup()
+    train(straight, LMObjective(trainable), sequences, config, tmp_path / "a", progress=False)
+
+    _, interrupted, _ = setup()
+    with pytest.raises(Interrupt):  # dies during step 5, after the checkpoint of step 4
+        train(interrupted, StopsAt(LMObjective(trainable), 9), sequences, config, tmp_path / "b", progress=False)
+    assert json.loads((tmp_path / "b/checkpoint/trainer_state.json").read_text())["step"] == 4
+    _, resumed, _ = setup()
+    train(resumed, LMObjective(trainable), sequences, config, tmp_path / "b", resume=True, progress=False)
+
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert [r["loss"] for r in log(tmp_path / "a")] == [r["loss"] for r in log(tmp_path / "b")]
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    _, student, sequences = setup()
+    config = TrainConfig(stage="lm", steps=2, seq_len=SEQ, batch_size=4, checkpoint_every=1)
+    train(student, LMObjective(), sequences, config, tmp_path, progress=False)
+    other = TrainConfig(stage="lm", steps=2, seq_len=SEQ, batch_size=4, checkpoint_every=1, lr=0.5)
+    with pytest.raises(ConfigError, match=r"other settings \(lr\)"):
+        train(student, LMObjective(), sequences, other, tmp_path, resume=True, progress=False)
+
+
+class Explodes:
+    def __init__(self, objective, at_call):
+        self.objective, self.at_call = objective, at_call
+
+    def prepare(self, model):
+        return self.objective.prepare(model)
+
+    def loss(self, module, ids):
+        self.at_call -= 1
+        loss, metrics = self.objective.loss(module, ids)
+        return (loss * float("nan"), metrics) if self.at_call < 0 else (loss, metrics)
+
+    def finish(self, module):
+        pass
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    _, student, sequences = setup()
+    config = TrainConfig(stage="lm", steps=6, seq_len=SEQ, batch_size=4, checkpoint_every=2)
+    with pytest.raises(TrainingDiverged, match="loss became nan at step 3"):
+        train(student, Explodes(LMObjective(), 3), sequences, config, tmp_path, progress=False)
+    state = json.loads((tmp_path / "checkpoint/trainer_state.json").read_text())
+    assert state["step"] == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(steps=None), "exactly one of --steps and --tokens"),
+        (dict(lr=-1.0), "--lr must be a positive number"),
+        (dict(trainable="everything", stage="lm"), "--trainable: unknown 'everything'"),
+        (dict(trainable="all"), "the transfer stage trains the mixers only"),
+        (dict(stage="finetune"), "--stage: unknown 'finetune'"),
+    ],
+)
+def test_bad_settings_name_the_flag(kwargs, message):
+    base = dict(stage="transfer", steps=1)
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**{**base, **kwargs})
+
+
+def test_tokens_budget_sets_the_steps():
+    assert TrainConfig(stage="lm", tokens=10_000, batch_size=4, seq_len=512).total_steps == 5
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from tiny_models import spec_for, tiny_model
+from recurformer.surgery import convert
+from recurformer.train import LMObjective, TrainConfig, train
+teacher = tiny_model("llama")
+student = convert(teacher, spec_for(teacher, 0.5), init="random")
+sequences = torch.randint(0, 97, (16, {seq}), generator=torch.Generator().manual_seed(0))
+config = TrainConfig(stage="lm", steps=4, seq_len={seq}, batch_size=4, lr=5e-3, grad_accum={accum})
+train(student, LMObjective(), sequences, config, {out!r}, progress=False)
+"""
+
+
+def run_script(tmp_path, name, processes, accum):
+    out = tmp_path / name
+    script = tmp_path / f"{name}.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), seq=SEQ, accum=accum, out=str(out)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if processes == 1:
+        command = [sys.executable, str(script)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [r["loss"] for r in log(out)]
+
+
+def test_two_processes_follow_the_same_loss_curve_as_one(tmp_path):
+    one = run_script(tmp_path, "one", processes=1, accum=2)
+    two = run_script(tmp_path, "two", processes=2, accum=1)
+    assert len(one) == len(two) == 4
+    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-5, (one, two)
