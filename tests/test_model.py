@@ -219,3 +219,24 @@ def test_importing_the_package_alone_registers_the_auto_classes(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "RecurFormerForCausalLM", result.stderr[-500:]
+
+
+def test_beam_search_with_the_cache_equals_without(arch):
+    """Beam search reorders the cache (K/V buffers and mixer states); recomputing every step
+    without a cache must give the same beams."""
+    model = tiny_model(arch)
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    ids = torch.randint(1, 97, (2, 7))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(converted.generate(ids, use_cache=True, **kwargs), converted.generate(ids, use_cache=False, **kwargs))
+
+
+def test_kv_buffers_grow_by_blocks():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    with torch.no_grad():
+        cache = converted(torch.randint(0, 97, (1, 300)), use_cache=True).past_key_values
+    sizes = cache.nbytes()
+    per_token = sizes["kv"] / 300
+    assert sizes["kv_reserved"] == per_token * 512  # 300 tokens -> two blocks of 256
+    assert sizes["total"] == sizes["kv"] + sizes["mixer_state"]

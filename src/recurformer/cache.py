@@ -16,16 +16,52 @@ from .mixers import Mixer, MixerState
 
 
 class HybridLayer(DynamicLayer):
-    """One decoder layer's cache: a growing K/V for kept heads and a fixed-size mixer state."""
+    """One decoder layer's cache: a growing K/V for kept heads and a fixed-size mixer state.
+
+    [ours] K/V live in buffers that grow by blocks of `BLOCK` tokens, so appending a token
+    writes one slot instead of copying the whole cache (what `torch.cat` in transformers'
+    `DynamicLayer` does at every step). `keys`/`values` are views of the filled part.
+    """
+
+    BLOCK = 256
 
     def __init__(self) -> None:
         super().__init__()
         self.mixer_state: MixerState | None = None
         self.tokens = 0  # counted here: a layer without kept heads stores no K/V to count
+        self._key_buffer: Tensor | None = None
+        self._value_buffer: Tensor | None = None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        self.tokens += key_states.shape[-2]
-        return super().update(key_states, value_states, *args, **kwargs)
+        """Append `[B, kept_kv_heads, T, D]` keys/values; return all of them so far."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, length = self.tokens, key_states.shape[-2]
+        self.tokens += length
+        if self._key_buffer is None or self._key_buffer.shape[-2] < self.tokens:
+            self._grow(key_states)
+        self._key_buffer[:, :, start:self.tokens] = key_states
+        self._value_buffer[:, :, start:self.tokens] = value_states
+        self.keys = self._key_buffer[:, :, : self.tokens]
+        self.values = self._value_buffer[:, :, : self.tokens]
+        return self.keys, self.values
+
+    def _grow(self, like: Tensor) -> None:
+        capacity = -(-self.tokens // self.BLOCK) * self.BLOCK
+        shape = (*like.shape[:2], capacity, like.shape[-1])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        filled = self.tokens - like.shape[-2]
+        if filled:
+            keys[:, :, :filled] = self.keys
+            values[:, :, :filled] = self.values
+        self._key_buffer, self._value_buffer = keys, values
+
+    def _adopt(self) -> None:
+        """After an operation that replaced `keys`/`values` (beam reorder, batch select),
+        make them the buffers again."""
+        if self.keys is not None and self.keys.dim() == 4:
+            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
+            self._key_buffer, self._value_buffer = self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.tokens
@@ -34,12 +70,14 @@ class HybridLayer(DynamicLayer):
         super().reset()
         self.mixer_state = None
         self.tokens = 0
+        self._key_buffer = self._value_buffer = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0 and self.mixer_state is not None:
             raise ValueError("a recurrent mixer state cannot be rolled back: HybridCache does not support crop()")
         super().crop(tokens_to_remove)
         self.tokens = max(0, self.tokens - abs(tokens_to_remove))
+        self._adopt()
 
     def _map_state(self, fn) -> None:
         if self.mixer_state is not None:
@@ -47,20 +85,26 @@ class HybridLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
+        self._adopt()
         self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
+        self._adopt()
         self._map_state(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
         super().batch_select_indices(indices)
+        self._adopt()
         self._map_state(lambda t: t[indices])
 
     def nbytes(self) -> dict[str, int]:
-        kv = sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+        """`kv`: the keys and values held; `kv_reserved`: their buffers (up to one block more)."""
+        def size(*tensors):
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.dim() == 4)
+
         state = sum(t.numel() * t.element_size() for t in (self.mixer_state or {}).values())
-        return {"kv": kv, "mixer_state": state}
+        return {"kv": size(self.keys, self.values), "kv_reserved": size(self._key_buffer, self._value_buffer), "mixer_state": state}
 
 
 class HybridCache(Cache):
@@ -77,8 +121,9 @@ class HybridCache(Cache):
         return layer.mixer_state
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held, by kind: `kv` (kept heads' keys and values), `mixer_state`, `total`."""
-        totals = {"kv": 0, "mixer_state": 0}
+        """Bytes by kind: `kv` (the kept heads' keys and values), `kv_reserved` (their
+        buffers, at most one block of tokens more), `mixer_state`, and `total` (kv + state)."""
+        totals = {"kv": 0, "kv_reserved": 0, "mixer_state": 0}
         for layer in self.layers:
             for kind, n in layer.nbytes().items():
                 totals[kind] += n

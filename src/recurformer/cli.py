@@ -71,6 +71,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .pipeline import eval_ppl_command
+
+    if args.task != "ppl":
+        raise UsageError(f"--task {args.task!r} is not yet available (only ppl)")
+    if not args.data:
+        raise UsageError("--task ppl needs --data FILE")
+    metrics = eval_ppl_command(args.model, args.data, args.out, context=args.context, stride=args.stride,
+                               max_tokens=args.max_tokens, batch_size=args.batch_size)
+    print(json.dumps(metrics))
+    return 0
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     raise UsageError(f"'recurformer {args.command}' is not yet available")
 
@@ -134,8 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoint", action="store_true", help="keep the last checkpoint after training")
     p.set_defaults(func=cmd_train)
 
+    p = commands.add_parser("eval", help="evaluate a model (converted or original)")
+    p.add_argument("model", help="converted directory, model directory or known name")
+    p.add_argument("--task", required=True, help="ppl")
+    p.add_argument("--data", nargs="+", metavar="FILE", help="text to score (ppl)")
+    p.add_argument("--out", help="metrics JSON to write")
+    p.add_argument("--context", type=int, default=1024, help="ppl: tokens per window")
+    p.add_argument("--stride", type=int, help="ppl: window step (default: --context, no overlap)")
+    p.add_argument("--max-tokens", type=int, help="ppl: score only the first N tokens of the text")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.set_defaults(func=cmd_eval)
+
     for name, text in (
-        ("eval", "perplexity, HashHop, MQAR"),
         ("generate", "generate text"),
         ("bench", "cache bytes and speed against the original"),
         ("run", "the whole method end to end on one model"),

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import ConfigError, MixerConfig
-from .data import check_length, load_documents, token_sequences
+from .data import check_length, load_documents, token_sequences, tokenize_documents
+from .evaluate import perplexity
 from .files import write_json_atomic
 from .hub import resolve_model
 from .modeling import check_architecture
@@ -205,3 +206,34 @@ def save_model_files(model, tokenizer, out_dir: Path) -> None:
             os.replace(item, out_dir / item.name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_any(name_or_path: str):
+    """(model, tokenizer) for a converted directory, a model directory or a known name."""
+    config_file = Path(name_or_path) / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == "recurformer":
+        return load_converted(name_or_path)
+    model, tokenizer, _ = load_model(name_or_path)
+    return model, tokenizer
+
+
+def eval_ppl_command(
+    model: str, data: list[str], out: str | None = None, context: int = 1024, stride: int | None = None,
+    max_tokens: int | None = None, batch_size: int = 4,
+) -> dict:
+    """Perplexity of `model` on the text of `data` (the first `max_tokens` tokens if given)."""
+    if stride is not None and not 1 <= stride <= context:
+        raise ConfigError(f"--stride must be in [1, --context], got {stride}")
+    if max_tokens is not None and max_tokens < 2:
+        raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
+    documents = load_documents(data)
+    net, tokenizer = load_any(model)
+    check_length(context, getattr(net.config, "text_config", net.config))
+    ids = torch.tensor(tokenize_documents(tokenizer, documents))
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    result = perplexity(net.eval(), ids, context=context, stride=stride, batch_size=batch_size)
+    metrics = {"task": "ppl", "model": str(model), "data": [str(p) for p in data], **result.to_dict()}
+    if out:
+        write_json_atomic(out, metrics)
+    return metrics

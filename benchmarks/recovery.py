@@ -1,0 +1,92 @@
+"""Recovery of SmolLM2-135M after replacing half its KV groups: perplexity before and after
+each continual-training stage, for init=reuse and init=random, at a fixed CPU budget.
+
+Writes docs/results/recovery.json and docs/results/recovery.md. Resumable: a stage whose
+output holds train_summary.json (or a metrics file) is not run again.
+
+    python benchmarks/recovery.py [--work runs/recovery] [--transfer-steps 70] [--lm-steps 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from recurformer.files import write_json_atomic, write_text_atomic
+from recurformer.pipeline import analyze_command, convert_command, eval_ppl_command, train_command
+from recurformer.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data"
+TRAIN = [str(DATA / "wikitext-2-valid.txt"), str(DATA / "tinyshakespeare.txt")]
+EVAL = [str(DATA / "wikitext-2-raw-test.txt")]
+RESULTS = ROOT / "docs" / "results"
+
+
+def once(path: Path, make):
+    """Run `make()` unless `path` exists; return the JSON at `path`."""
+    if not path.exists():
+        make()
+    return json.loads(path.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default=str(ROOT / "runs" / "recovery"))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--beta", type=float, default=0.5)
+    parser.add_argument("--transfer-steps", type=int, default=70)
+    parser.add_argument("--lm-steps", type=int, default=120)
+    parser.add_argument("--eval-tokens", type=int, default=32768)
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    def ppl(model: str, name: str) -> dict:
+        path = work / f"ppl-{name}.json"
+        return once(path, lambda: eval_ppl_command(model, EVAL, str(path), max_tokens=args.eval_tokens))
+
+    scores = work / "scores.json"
+    if not scores.exists():
+        analyze_command(args.model, TRAIN[:1], str(scores))
+    rows = [{"variant": "original", "stage": "-", **ppl(args.model, "original")}]
+    for init in ("reuse", "random"):
+        converted = work / f"converted-{init}"
+        if not (converted / "config.json").exists():
+            convert_command(args.model, str(scores), args.beta, str(converted), init=init, force=True)
+        rows.append({"variant": f"init={init}", "stage": "converted, untrained", **ppl(str(converted), f"{init}-untrained")})
+        transfer = work / f"transfer-{init}"
+        config = TrainConfig(stage="transfer", steps=args.transfer_steps, seq_len=512, batch_size=8, lr=5e-3,
+                             checkpoint_every=10)
+        summary = once(transfer / "train_summary.json", lambda: train_command(
+            str(converted), TRAIN, str(transfer), config, resume=(transfer / "checkpoint").exists()))
+        rows.append({"variant": f"init={init}", "stage": "after transfer", **ppl(str(transfer), f"{init}-transfer"),
+                     "train_tokens": summary["tokens"], "train_minutes": summary["elapsed_s"] / 60})
+    lm = work / "lm-reuse"
+    config = TrainConfig(stage="lm", steps=args.lm_steps, seq_len=512, batch_size=8, lr=1e-3, trainable="mixers+lora",
+                         distill_weight=1.0, checkpoint_every=10)
+    summary = once(lm / "train_summary.json", lambda: train_command(
+        str(work / "transfer-reuse"), TRAIN, str(lm), config, resume=(lm / "checkpoint").exists()))
+    transfer_summary = json.loads((work / "transfer-reuse" / "train_summary.json").read_text())
+    rows.append({"variant": "init=reuse", "stage": "after transfer + lm", **ppl(str(lm), "reuse-lm"),
+                 "train_tokens": transfer_summary["tokens"] + summary["tokens"],
+                 "train_minutes": (transfer_summary["elapsed_s"] + summary["elapsed_s"]) / 60})
+
+    original = rows[0]["ppl"]
+    for row in rows:
+        row["ppl_ratio"] = row["ppl"] / original
+    write_json_atomic(RESULTS / "recovery.json", {"model": args.model, "beta": args.beta, "rows": rows,
+                                                  "eval_tokens": rows[0]["tokens"], "written": time.strftime("%Y-%m-%d")})
+    lines = ["| variant | stage | perplexity | x original | training tokens | training minutes |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        tokens = f"{row['train_tokens']:,}" if "train_tokens" in row else "-"
+        minutes = f"{row['train_minutes']:.1f}" if "train_minutes" in row else "-"
+        lines.append(f"| {row['variant']} | {row['stage']} | {row['ppl']:.2f} | {row['ppl_ratio']:.2f} | {tokens} | {minutes} |")
+    write_text_atomic(RESULTS / "recovery-table.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
