@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from .cache import HybridCache
 
@@ -71,20 +71,29 @@ def cache_bytes(cache) -> tuple[int, int]:
     return kv, 0
 
 
-def new_cache(model):
-    if hasattr(model, "spec"):
+CACHES = ("hybrid", "dynamic", "static")
+
+
+def new_cache(model, kind: str, length: int):
+    """`hybrid` for RecurFormer models; `dynamic` (transformers' default, grows by
+    concatenation) or `static` (preallocated for `length` tokens) for original models."""
+    if kind == "hybrid":
         return HybridCache(model.config.text_config.num_hidden_layers)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=length)
     return DynamicCache(config=model.config)
 
 
 @torch.no_grad()
-def measure(model, name: str, context: int, decode_steps: int = 32, warmup: int = 4, seed: int = 0) -> Measurement:
+def measure(
+    model, name: str, context: int, cache: str, decode_steps: int = 32, warmup: int = 4, seed: int = 0
+) -> Measurement:
     """Prefill a random prompt of `context` tokens, then decode greedily."""
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
     gc.collect()
     with PeakMemory() as memory:
-        cache = new_cache(model)
+        cache = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()
         out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - start
@@ -110,36 +119,38 @@ def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int
 
 
 def compare(
-    models: dict[str, torch.nn.Module], baseline: str, contexts: list[int], decode_steps: int = 32,
-    budget_bytes: int = 1 << 30, progress=None,
+    contenders: dict[str, tuple[torch.nn.Module, str]], baselines: list[str], contexts: list[int],
+    decode_steps: int = 32, budget_bytes: int = 1 << 30, progress=None,
 ) -> dict:
-    """Measure every model at every context, alternating, and the ratios to `baseline`."""
+    """Measure every `name -> (model, cache kind)` at every context, alternating, and the
+    ratios of every other contender to each of `baselines`."""
     rows: list[Measurement] = []
     for context in contexts:
-        for name, model in models.items():
+        for name, (model, cache) in contenders.items():
             if progress:
                 progress(f"{name} @ {context}")
-            rows.append(measure(model, name, context, decode_steps))
-    ratios, budgets = [], []
-    for context in contexts:
-        base = next(r for r in rows if r.model == baseline and r.context == context)
-        for row in rows:
-            if row.context != context or row.model == baseline:
-                continue
-            ratios.append({
-                "model": row.model, "context": context,
-                "cache_bytes_ratio": row.cache_bytes / base.cache_bytes,
-                "decode_speedup": row.decode_tokens_per_s / base.decode_tokens_per_s,
-                "prefill_time_ratio": row.prefill_s / base.prefill_s,
-                "peak_memory_ratio": row.peak_memory_bytes / max(base.peak_memory_bytes, 1),
-            })
+            rows.append(measure(model, name, context, cache, decode_steps))
+    ratios = []
+    for baseline in baselines:
+        for context in contexts:
+            base = next(r for r in rows if r.model == baseline and r.context == context)
+            for row in rows:
+                if row.context != context or row.model in baselines:
+                    continue
+                ratios.append({
+                    "model": row.model, "baseline": baseline, "context": context,
+                    "cache_bytes_ratio": row.cache_bytes / base.cache_bytes,
+                    "decode_speedup": row.decode_tokens_per_s / base.decode_tokens_per_s,
+                    "prefill_time_ratio": row.prefill_s / base.prefill_s,
+                    "peak_memory_ratio": row.peak_memory_bytes / max(base.peak_memory_bytes, 1),
+                })
     largest = max(contexts)
-    for row in rows:
-        if row.context == largest:
-            budgets.append({"model": row.model, "budget_bytes": budget_bytes,
-                            "max_context": max_context(row.kv_bytes, row.state_bytes, row.context, budget_bytes)})
+    budgets = [
+        {"model": r.model, "budget_bytes": budget_bytes, "max_context": max_context(r.kv_bytes, r.state_bytes, r.context, budget_bytes)}
+        for r in rows if r.context == largest
+    ]
     return {
-        "baseline": baseline, "contexts": contexts, "decode_steps": decode_steps,
+        "baselines": baselines, "contexts": contexts, "decode_steps": decode_steps,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "measurements": [r.to_dict() for r in rows], "ratios": ratios, "cache_budget": budgets,
     }

@@ -84,6 +84,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .pipeline import bench_command, parse_contexts
+
+    result = bench_command(args.dirs, parse_contexts(args.context), args.out, baseline=args.baseline,
+                           decode_steps=args.decode_steps, budget_gib=args.budget_gib, plot=args.plot)
+    for ratio in result["ratios"]:
+        print(json.dumps(ratio))
+    return 0
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     raise UsageError(f"'recurformer {args.command}' is not yet available")
 
@@ -158,9 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     p.set_defaults(func=cmd_eval)
 
+    p = commands.add_parser("bench", help="cache bytes, prefill and decode speed against the original model")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="converted model directories")
+    p.add_argument("--baseline", help="the original model (default: the one DIR was converted from)")
+    p.add_argument("--context", default="512,2048,8192", help="comma-separated context lengths")
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (median reported)")
+    p.add_argument("--budget-gib", type=_floats, default=1.0, help="cache budget for the max-context column")
+    p.add_argument("--out", required=True, help="JSON to write")
+    p.add_argument("--plot", help="PNG to write")
+    p.set_defaults(func=cmd_bench)
+
     for name, text in (
         ("generate", "generate text"),
-        ("bench", "cache bytes and speed against the original"),
         ("run", "the whole method end to end on one model"),
     ):
         p = commands.add_parser(name, help=f"{text} (not yet available)")

@@ -18,7 +18,8 @@ from .evaluate import perplexity
 from .files import write_json_atomic
 from .hub import resolve_model
 from .modeling import check_architecture
-from .report import plot_head_heatmap
+from .bench import compare
+from .report import plot_bench, plot_head_heatmap
 from .scoring import DEFAULT_WINDOWS, HeadScores, analyze, groups_to_replace, make_scorer, select_heads
 from .surgery import INITS, convert, model_fingerprint, parameter_report
 from .train import LMObjective, TrainConfig, TransferObjective, train
@@ -237,3 +238,36 @@ def eval_ppl_command(
     if out:
         write_json_atomic(out, metrics)
     return metrics
+
+
+def parse_contexts(text: str) -> list[int]:
+    try:
+        contexts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--context: expected comma-separated integers, got {text!r}") from None
+    if not contexts or min(contexts) < 1:
+        raise ConfigError(f"--context: expected positive integers, got {text!r}")
+    return contexts
+
+
+def bench_command(
+    directories: list[str], contexts: list[int], out: str, baseline: str | None = None, decode_steps: int = 32,
+    budget_gib: float = 1.0, plot: str | None = None,
+) -> dict:
+    """Cache, prefill, decode and memory of converted models against their original."""
+    if decode_steps < 1:
+        raise ConfigError(f"--decode-steps must be >= 1, got {decode_steps}")
+    converted = {str(d): load_converted(d)[0].eval() for d in directories}
+    first = next(iter(converted.values()))
+    original = load_teacher(first, baseline)
+    limit = first.config.text_config.max_position_embeddings
+    if max(contexts) + decode_steps + 8 > limit:
+        raise ConfigError(f"--context {max(contexts)} plus decoding exceeds the model's {limit} positions")
+    contenders = {"original": (original.eval(), "dynamic"), "original+static-cache": (original, "static")}
+    contenders.update({name: (model, "hybrid") for name, model in converted.items()})
+    result = compare(contenders, ["original", "original+static-cache"], contexts, decode_steps,
+                     budget_bytes=int(budget_gib * (1 << 30)), progress=lambda m: print(f"bench: {m}", flush=True))
+    write_json_atomic(out, result)
+    if plot:
+        plot_bench(result, plot)
+    return result

@@ -47,3 +47,30 @@ def plot_head_heatmap(scores: HeadScores, path: str | Path, spec: ReplacementSpe
         title += f"; X: {len(spec.groups)} replaced groups ({spec.fraction:.0%})"
     axis.set_title(title, fontsize=9)
     save_figure(figure, path)
+
+
+def plot_bench(result: dict, path: str | Path) -> None:
+    """Two panels: cache bytes against context (log-log), decode tokens/s per context."""
+    rows = result["measurements"]
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    contexts = result["contexts"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        mine = [r for r in rows if r["model"] == name]
+        left.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=name)
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("context (tokens)")
+    left.set_ylabel("cache (MiB)")
+    left.set_title("cache size", fontsize=10)
+    left.legend(fontsize=7)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        speeds = [next(r["decode_tokens_per_s"] for r in rows if r["model"] == name and r["context"] == c) for c in contexts]
+        right.bar([j + i * width for j in range(len(contexts))], speeds, width, label=name)
+    right.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts])
+    right.set_xlabel("context (tokens)")
+    right.set_ylabel("decode tokens/s (median)")
+    right.set_title("decode speed, batch 1", fontsize=10)
+    right.legend(fontsize=7)
+    save_figure(figure, path)

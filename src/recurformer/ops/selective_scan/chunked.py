@@ -117,13 +117,14 @@ class _ChunkedScan(torch.autograd.Function):
         states = h0.new_empty(h0.shape[0], n_segments + 1, *h0.shape[1:])
         states[:, 0] = h0
         y = torch.empty_like(du)
+        inputs = _Inputs(du, delta, A_t, B, C, chunk)
         work = _Workspace(du, A_t.shape[0], groups)
         k = 0
         for t0, count, length in groups:
-            part = _Group(work, du, delta, A_t, B, C, t0, count, length)
-            y[:, t0 : part.t1] = part.forward(states[:, k : k + count + 1]).reshape(y.shape[0], -1, y.shape[2])
+            part = _Group(work, inputs, t0, count, length)
+            part.forward(states[:, k : k + count + 1], y[:, t0 : part.t1].view(y.shape[0], count, length, -1))
             k += count
-        ctx.groups = groups
+        ctx.groups, ctx.chunk = groups, chunk
         ctx.save_for_backward(du, delta, A_t, B, C, states)
         return y, states[:, -1].clone()
 
@@ -132,12 +133,13 @@ class _ChunkedScan(torch.autograd.Function):
         du, delta, A_t, B, C, states = ctx.saved_tensors
         gy = torch.zeros_like(du) if gy is None else gy.float().contiguous()
         g_state = torch.zeros_like(states[:, 0]) if g_last is None else g_last.float().contiguous()
+        inputs = _Inputs(du, delta, A_t, B, C, ctx.chunk, gy)
         work = _Workspace(du, A_t.shape[0], ctx.groups, backward=True)
-        grads = _Grads(torch.empty_like(du), torch.empty_like(delta), torch.zeros_like(A_t), torch.empty_like(B), torch.empty_like(C))
+        grads = _Grads(du, delta, A_t, B, C)
         k = states.shape[1] - 1
         for t0, count, length in reversed(ctx.groups):
-            part = _Group(work, du, delta, A_t, B, C, t0, count, length)
-            g_state = part.backward(states[:, k - count : k], gy, g_state, grads)
+            part = _Group(work, inputs, t0, count, length)
+            g_state = part.backward(states[:, k - count : k], g_state, grads)
             k -= count
         return grads.du, grads.delta, grads.A_t, grads.B, grads.C, g_state, None, None
 
@@ -148,19 +150,19 @@ def _plan(delta: Tensor, A_t: Tensor, chunk: int, group: int) -> list[tuple[int,
     A segment's log-decay range is max over (batch, channel) of max_n |A| * sum(delta):
     the largest |S| from its start to its end (delta >= 0). Full chunks are checked with
     one reduction and grouped `group` at a time; chunks over the limit are cut greedily
-    into pieces that fit, each its own group, and so is a ragged tail.
+    into shorter pieces that fit, each its own group, and so is a ragged tail.
     """
     batch, length, channels = delta.shape
     a_max = A_t.abs().amax(0)  # [D]
     n_full = length // chunk
     sums = delta[:, : n_full * chunk].reshape(batch, n_full, chunk, channels).sum(2)
-    ok = ((sums * a_max).amax(dim=(0, 2)) <= _MAX_RANGE).tolist()
+    fits = ((sums * a_max).amax(dim=(0, 2)) <= _MAX_RANGE).tolist()
     groups: list[tuple[int, int, int]] = []
-    for c, fits in enumerate(ok):
+    for c, ok in enumerate(fits):
         t0 = c * chunk
-        if not fits:
+        if not ok:
             groups.extend(_split_stiff(delta, a_max, t0, t0 + chunk))
-        elif groups and groups[-1][2] == chunk and groups[-1][1] < group and groups[-1][0] + groups[-1][1] * chunk == t0:
+        elif groups and groups[-1][2] == chunk and groups[-1][1] < group and sum(groups[-1][::2]) + (groups[-1][1] - 1) * chunk == t0:
             groups[-1] = (groups[-1][0], groups[-1][1] + 1, chunk)
         else:
             groups.append((t0, 1, chunk))
@@ -185,161 +187,184 @@ class _Grads:
     """Full-length gradient tensors that each group writes its slice of."""
 
     def __init__(self, du, delta, A_t, B, C):
-        self.du, self.delta, self.A_t, self.B, self.C = du, delta, A_t, B, C
+        self.du, self.delta, self.B, self.C = (torch.empty_like(t) for t in (du, delta, B, C))
+        self.A_t = torch.zeros_like(A_t)
+
+
+class _Inputs:
+    """The per-segment matrices and padded inputs, built in bulk for all full chunks.
+
+    For K segments of l steps (batch b, state n, channels d):
+        cmh `[b, K, l+1, d]`: rows t < l are cum_t - cum_l / 2, row l is cum_l / 2;
+        du, gy `[b, K, l+1, d]`: zero-padded to l + 1 rows;
+        M `[b, K, n, l+1, l+1]`: M[t, s] = [s <= t] B_s, M[t, l] = 1 (t < l), row l zero;
+        MC = M * C_t (row-scaled), C `[b, K, n, l+1]` zero-padded;
+        M2 `[b, K, n, l+1, l+1]`: the adjoint matrix, (MC)^T with column l = M[l-1].
+    Ragged or stiff segments are built the same way, on demand.
+    """
+
+    def __init__(self, du, delta, A_t, B, C, chunk, gy=None):
+        self.raw = (du, delta, B, C, gy)
+        self.A_t, self.chunk = A_t, chunk
+        self.matrices: dict[int, tuple[Tensor, Tensor]] = {}
+        n_full = du.shape[1] // chunk
+        self.full = self._build(0, n_full, chunk) if n_full else None
+
+    def tril_centring(self, length: int) -> tuple[Tensor, Tensor]:
+        """Lower-triangular ones `[l, l]` and the centring matrix `[l + 1, l]`."""
+        if length not in self.matrices:
+            tril = torch.ones(length, length, dtype=self.A_t.dtype, device=self.A_t.device).tril_()
+            centring = torch.cat([tril - 0.5, tril.new_full((1, length), 0.5)])
+            self.matrices[length] = (tril, centring)
+        return self.matrices[length]
+
+    def _build(self, t0: int, count: int, length: int) -> dict[str, Tensor]:
+        def segments(t: Tensor) -> Tensor:  # [b, T, *] -> [b, K, l, *]
+            return t[:, t0 : t0 + count * length].view(t.shape[0], count, length, -1)
+
+        du, delta, B, C, gy = self.raw
+        tril, centring = self.tril_centring(length)
+        B, C = segments(B).transpose(2, 3), segments(C).transpose(2, 3)  # [b, K, n, l]
+        M = du.new_zeros(*B.shape[:3], length + 1, length + 1)
+        torch.mul(tril, B[..., None, :], out=M[..., :length, :length])
+        M[..., :length, length] = 1.0
+        C = F.pad(C, (0, 1))
+        parts = {"cmh": torch.matmul(centring, segments(delta)), "du": F.pad(segments(du), (0, 0, 0, 1)), "M": M}
+        if gy is None:
+            parts["MC"] = M * C[..., None]
+        else:
+            M2 = (M * C[..., None]).transpose(-1, -2).contiguous()
+            M2[..., length] = M[..., length - 1, :]
+            parts.update(M2=M2, C=C, gy=F.pad(segments(gy), (0, 0, 0, 1)))
+        return parts
+
+    def group(self, t0: int, count: int, length: int) -> dict[str, Tensor]:
+        if length == self.chunk and self.full is not None:
+            first = t0 // length
+            return {name: t[:, first : first + count] for name, t in self.full.items()}
+        return self._build(t0, count, length)
 
 
 class _Workspace:
-    """Flat buffers reused by every group, viewed as contiguous [B, K, N, l(+1), *] blocks."""
+    """Flat buffers reused by every group, viewed as contiguous `[b, K, n, l+1, d]` blocks."""
 
     def __init__(self, like: Tensor, n_state: int, groups, backward: bool = False):
         batch, _, channels = like.shape
-        size = max((count * (length + 1) * max(channels, length + 1) for _, count, length in groups), default=0)
-        size *= batch * n_state
-        names = ("E", "Y", "G", "M") + (("P", "W", "gY", "WY", "M2") if backward else ())
-        self.buffers = {name: like.new_empty(size) for name in names}
-        self.tril: dict[int, Tensor] = {}
-        self.centring: dict[int, Tensor] = {}
+        size = max((count * (length + 1) * channels for _, count, length in groups), default=0)
+        names = ("E", "Y", "G") + (("P", "W", "gY") if backward else ())
+        self.buffers = {name: like.new_empty(size * batch * n_state) for name in names}
+        self.views: dict[tuple, Tensor] = {}  # most groups share one shape: make views once
 
     def view(self, name: str, *shape: int) -> Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        return self.buffers[name][:numel].view(shape)
-
-    def matrices(self, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """Lower-triangular ones `[l, l]`, and the centring matrix `[l + 1, l]`.
-
-        centring @ delta gives, in rows t < l, cum_t - cum_l / 2, and in row l, cum_l / 2.
-        """
-        if length not in self.tril:
-            tril = torch.ones(length, length, dtype=like.dtype).tril_()
-            self.tril[length] = tril
-            self.centring[length] = torch.cat([tril - 0.5, tril.new_full((1, length), 0.5)])
-        return self.tril[length], self.centring[length]
+        key = (name, *shape)
+        if key not in self.views:
+            self.views[key] = self.buffers[name][: math.prod(shape)].view(shape)
+        return self.views[key]
 
 
 class _Group:
     """Steps [t0, t0 + K l) of the scan as K segments of l steps: forward, and hand-written adjoint.
 
-    Shapes: b batch, k segment, n state, t/s step in a segment, d channel. Row l of E and Y
-    carries the segment's start state: Y[l] = exp(m) H enters every h_t with weight 1.
+    Shapes: b batch, k segment, n state, t/s step in a segment, d channel. Every block has
+    l + 1 rows, so the large elementwise ops run on contiguous memory: row l of E holds
+    exp(m), row l of Y the carried state exp(m) H, which enters every h_t with weight 1.
     """
 
-    def __init__(self, work, du, delta, A_t, B, C, t0, count, length):
-        self.work, self.A_t = work, A_t
+    def __init__(self, work: _Workspace, inputs: _Inputs, t0: int, count: int, length: int):
+        self.work, self.A_t = work, inputs.A_t
         self.t0, self.t1 = t0, t0 + count * length
-        batch, _, channels = du.shape
-        n_state = A_t.shape[0]
-        self.shape = (batch, count, n_state, length, channels)
-        self.du = du[:, t0 : self.t1].view(batch, count, length, channels)
-        self.delta = delta[:, t0 : self.t1].view(batch, count, length, channels)
-        # [b, k, n, l]: the state axis before the step axis, like E and Y
-        self.B = B[:, t0 : self.t1].view(batch, count, length, n_state).transpose(2, 3)
-        self.C = C[:, t0 : self.t1].view(batch, count, length, n_state).transpose(2, 3)
-        self.tril, self.centring = work.matrices(length, du)
+        self.tril, self.centring = inputs.tril_centring(length)
+        self.parts = inputs.group(t0, count, length)
+        batch, _, channels = inputs.raw[0].shape
+        self.shape = (batch, count, inputs.A_t.shape[0], length, channels)
 
     def _local(self) -> None:
-        """The parts that do not depend on the start states: E, Y[:l], M."""
+        """E, Y (with Y[l] = 0) and the per-segment decay: the parts independent of start states."""
         b, k, n, length, d = self.shape
         work = self.work
-        self.cmh = torch.matmul(self.centring, self.delta)  # [b, k, l + 1, d]
         # E[t] = exp(A (cum_t - cum_l / 2)) for t < l; E[l] = exp(A cum_l / 2) = exp(m)
         E = work.view("E", b, k, n, length + 1, d)
-        torch.mul(self.cmh[:, :, None], self.A_t[:, None, :], out=E)
+        torch.mul(self.parts["cmh"][:, :, None], self.A_t[:, None, :], out=E)
         if length == 1:  # the only segments allowed to exceed the range: see module docstring
             E.clamp_(min=_EXP_FLOOR)
         E.exp_()
-        Y = work.view("Y", b, k, n, length + 1, d)
-        torch.div(self.du[:, :, None], E[..., :length, :], out=Y[..., :length, :])
-        # M[t, s] = [s <= t] B_s for s < l, and 1 in the carried-state column s = l
-        M = work.view("M", b, k, n, length, length + 1)
-        torch.mul(self.tril, self.B[..., None, :], out=M[..., :length])
-        M[..., length] = 1.0
-        self.E, self.Y, self.M = E, Y, M
-        # decay over a whole segment, exp(A cum_l) = E[l-1] E[l]; floored so that
-        # decay * state never becomes denormal (a change below e^-40 of the state)
+        self.E, self.Y = E, work.view("Y", b, k, n, length + 1, d)
+        torch.div(self.parts["du"][:, :, None], E, out=self.Y)
+        # decay over a whole segment, exp(A cum_l) = E[l-1] E[l], floored so that
+        # decay * state is never denormal (a change below e^-40 of the state)
         self.decay = (E[..., length - 1, :] * E[..., length, :]).clamp_(min=_DECAY_FLOOR)  # [b, k, n, d]
 
     def _states(self, H: Tensor, M: Tensor) -> Tensor:
-        """M Y, elementwise times E: the states h_t `[b, k, n, l, d]` (a workspace view) when M
-        is the matrix built by `_local`, from start states H `[b, k, n, d]`."""
+        """(M Y) * E with Y[l] = E[l] H: the states h `[b, k, n, l+1, d]` (row l zero) for M = M,
+        or the states times C_t for M = MC. H: start states `[b, k, n, d]`."""
         b, k, n, length, d = self.shape
         torch.mul(self.E[..., length, :], H, out=self.Y[..., length, :])
-        G = self.work.view("G", b, k, n, length, d)
-        torch.bmm(M.view(-1, length, length + 1), self.Y.view(-1, length + 1, d), out=G.view(-1, length, d))
-        return G.mul_(self.E[..., :length, :])
+        G = self.work.view("G", b, k, n, length + 1, d)
+        torch.bmm(M.reshape(-1, length + 1, length + 1), self.Y.view(-1, length + 1, d), out=G.view(-1, length + 1, d))
+        return G.mul_(self.E)
 
-    def forward(self, states: Tensor) -> Tensor:
-        """Fill states[:, 1:] from states[:, 0] (`[b, k + 1, n, d]`); return y `[b, k, l, d]`."""
+    def forward(self, states: Tensor, y: Tensor) -> None:
+        """Fill states[:, 1:] from states[:, 0] (`[b, k + 1, n, d]`) and y `[b, k, l, d]`."""
         b, k, n, length, d = self.shape
         self._local()
-        # end state of each segment from a zero start: E[l-1] sum_s B_s Y_s (row l-1 of M Y)
-        local_end = torch.matmul(self.B[..., None, :], self.Y[..., :length, :]).squeeze(-2)
+        # end state of each segment from a zero start: E[l-1] (row l-1 of M Y, while Y[l] = 0)
+        local_end = torch.matmul(self.parts["M"][..., length - 1 : length, :], self.Y).squeeze(-2)
         local_end.mul_(self.E[..., length - 1, :])
-        for j in range(k):  # the only sequential part: one small op per segment
-            torch.addcmul(local_end[:, j], self.decay[:, j], states[:, j], out=states[:, j + 1])
-        # y_t = sum_n C_t h_t: scaling row t of M by C_t leaves only a sum over n to do,
-        # which is cheaper than contracting h with C (that would need h copied to [.., t, n, d])
-        self.M.mul_(self.C[..., None])
-        return self._states(states[:, :k], self.M).sum(2)
+        # the only sequential part: one small op per segment
+        for local, decay, start, end in zip(local_end.unbind(1), self.decay.unbind(1), states.unbind(1), states[:, 1:].unbind(1)):
+            torch.addcmul(local, decay, start, out=end)
+        # with M's rows scaled by C_t, y_t = sum_n C_t h_t is a plain sum over n; contracting
+        # h with C instead would need h copied to [.., t, n, d]
+        torch.sum(self._states(states[:, :k], self.parts["MC"])[..., :length, :], 2, out=y)
 
-    def backward(self, starts: Tensor, gy: Tensor, g_end: Tensor, grads: _Grads) -> Tensor:
+    def backward(self, starts: Tensor, g_end: Tensor, grads: _Grads) -> Tensor:
         """Write this group's gradients into `grads`; return dL/d(state before the group).
 
-        starts: `[b, k, n, d]` saved start states; gy: `[B, T, d]` (the full gradient of y);
-        g_end: `[b, n, d]` gradient of the state after the group. The adjoint of h,
-        g_t = C_t gy_t + exp(delta_{t+1} A) g_{t+1}, is again one triangular matmul in
-        log space (M2 below), and a one-op-per-segment recurrence across segments.
+        starts: `[b, k, n, d]` saved start states; g_end: `[b, n, d]` gradient of the state
+        after the group. The adjoint of h, g_t = C_t gy_t + exp(delta_{t+1} A) g_{t+1}, is
+        again one triangular matmul in log space (M2) and a one-op-per-segment recurrence.
         """
         b, k, n, length, d = self.shape
-        work, t0, t1 = self.work, self.t0, self.t1
+        work, t0, t1, parts = self.work, self.t0, self.t1, self.parts
         self._local()
-        h = self._states(starts, self.M)
-        E, Y, M, C = self.E, self.Y, self.M, self.C
-        gy = gy[:, t0:t1].view(b, k, 1, length, d)
+        E, Y = self.E, self.Y
+        h = self._states(starts, parts["M"])
+        gy, C = parts["gy"][:, :, None], parts["C"]  # [b, k, 1, l+1, d], [b, k, n, l+1]
 
-        # P = gy * h gives dL/dC, and (times C) the h-term of the exponent gradient
-        P = work.view("P", b, k, n, length, d)
+        # P = gy h gives dL/dC, and (times C) the h-term of the exponent gradient
+        P = work.view("P", b, k, n, length + 1, d)
         torch.mul(h, gy, out=P)
-        grads.C[:, t0:t1] = P.sum(-1).transpose(2, 3).reshape(b, -1, n)
+        grads.C[:, t0:t1] = P[..., :length, :].sum(-1).transpose(2, 3).reshape(b, -1, n)
 
-        # dL/dG = (C gy + [t = l-1] g_end_k) E, kept as W = gy E plus row l = g_end_k E[l-1]
+        # dL/dG = (C_t gy_t + [t = l-1] g_end_k) E_t, kept as W = gy E plus row l = g_end_k E[l-1]
         W = work.view("W", b, k, n, length + 1, d)
-        torch.mul(E[..., :length, :], gy, out=W[..., :length, :])
-        # g_end_k is the gradient of the state after segment k: a reverse recurrence
-        # g_start_k = E[l] (sum_t C_t W_t) + decay_k g_end_k
-        g_from_y = torch.matmul(C[..., None, :], W[..., :length, :]).squeeze(-2).mul_(E[..., length, :])
+        torch.mul(E, gy, out=W)
+        # g_end_k, the gradient of the state after segment k, by a reverse recurrence:
+        # g_start_k = E[l] sum_t C_t W_t + decay_k g_end_k
+        g_from_y = torch.matmul(C[..., None, :], W).squeeze(-2).mul_(E[..., length, :])
         g_ends = torch.empty_like(starts)
-        for j in reversed(range(k)):
-            g_ends[:, j] = g_end
-            g_end = torch.addcmul(g_from_y[:, j], self.decay[:, j], g_end)
+        for from_y, decay, out in zip(g_from_y.unbind(1)[::-1], self.decay.unbind(1)[::-1], g_ends.unbind(1)[::-1]):
+            out.copy_(g_end)
+            g_end = torch.addcmul(from_y, decay, g_end)
         torch.mul(E[..., length - 1, :], g_ends, out=W[..., length, :])
-        # dL/dY = M^T dL/dG = M2 W, with M2[s, t] = M[t, s] C_t (t < l), M2[s, l] = M[l-1, s]
-        M2 = work.view("M2", b, k, n, length + 1, length + 1)
-        torch.mul(M, C[..., None], out=M2[..., :length].transpose(-1, -2))
-        M2[..., length] = M[..., length - 1, :]
         gY = work.view("gY", b, k, n, length + 1, d)
-        torch.bmm(M2.view(-1, length + 1, length + 1), W.view(-1, length + 1, d), out=gY.view(-1, length + 1, d))
+        torch.bmm(parts["M2"].reshape(-1, length + 1, length + 1), W.view(-1, length + 1, d), out=gY.view(-1, length + 1, d))
 
         # dL/dB_s = sum_{t >= s} dL/dM[t, s], where dL/dM = dL/dG Y^T = diag(C, 1) W Y^T
-        WY = work.view("WY", b, k, n, length + 1, length + 1)
-        torch.bmm(W.view(-1, length + 1, d), Y.view(-1, length + 1, d).transpose(1, 2), out=WY.view(-1, length + 1, length + 1))
-        g_B = (WY[..., :length, :length] * C[..., None] * self.tril).sum(-2) + WY[..., length, :length]
+        WY = torch.matmul(W, Y.transpose(-1, -2))  # [b, k, n, l+1, l+1]
+        g_B = (WY[..., :length, :length] * C[..., :length, None] * self.tril).sum(-2) + WY[..., length, :length]
         grads.B[:, t0:t1] = g_B.transpose(2, 3).reshape(b, -1, n)
 
-        # Y[t] = du_t / E[t]  ->  dL/ddu_t = sum_n gY[t] / E[t]
-        grads.du[:, t0:t1] = (gY[..., :length, :] / E[..., :length, :]).sum(2).view(b, -1, d)
+        # Y[t] = du_t / E[t]  ->  dL/ddu_t = sum_n gY[t] / E[t]   (W is free again)
+        grads.du[:, t0:t1] = torch.div(gY, E, out=W)[..., :length, :].sum(2).reshape(b, -1, d)
 
-        # Gradient w.r.t. the exponents A * cmh (= dL/dE * E): h-term minus Y-term; row l
-        # only has the Y-term (Y[l] = E[l] H)
+        # Gradient w.r.t. the exponents A * cmh (dL/dE * E): the h-term minus the Y-term,
+        # except row l, where only Y[l] = E[l] H depends on E[l]
         P.mul_(C[..., None])
         P[..., length - 1, :].addcmul_(g_ends, h[..., length - 1, :])
-        P.addcmul_(gY[..., :length, :], Y[..., :length, :], value=-1.0)
-        g_exp_last = gY[..., length, :] * Y[..., length, :]  # [b, k, n, d]
-        cmh = self.cmh
-        grads.A_t.add_((P * cmh[:, :, None, :length]).sum((0, 1, 3)))
-        grads.A_t.add_((g_exp_last * cmh[:, :, None, length]).sum((0, 1)))
-        P.mul_(self.A_t[:, None, :])
-        g_cmh = torch.cat([P.sum(2), (g_exp_last * self.A_t).sum(2, keepdim=True)], dim=2)  # [b, k, l + 1, d]
-        grads.delta[:, t0:t1] = torch.matmul(self.centring.t(), g_cmh).view(b, -1, d)
+        P.addcmul_(gY, Y, value=-1.0)
+        P[..., length, :].neg_()
+        grads.A_t.add_(torch.mul(P, parts["cmh"][:, :, None], out=W).sum((0, 1, 3)))
+        g_cmh = P.mul_(self.A_t[:, None, :]).sum(2)  # [b, k, l+1, d]
+        grads.delta[:, t0:t1] = torch.matmul(self.centring.t(), g_cmh).reshape(b, -1, d)
         return g_end
