@@ -72,14 +72,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .pipeline import eval_ppl_command
+    from .pipeline import eval_task_command
 
-    if args.task != "ppl":
-        raise UsageError(f"--task {args.task!r} is not yet available (only ppl)")
-    if not args.data:
-        raise UsageError("--task ppl needs --data FILE")
-    metrics = eval_ppl_command(args.model, args.data, args.out, context=args.context, stride=args.stride,
-                               max_tokens=args.max_tokens, batch_size=args.batch_size)
+    if args.task == "ppl":
+        options = dict(data=args.data, context=args.context, stride=args.stride, max_tokens=args.max_tokens,
+                       batch_size=args.batch_size)
+    elif args.task == "hashhop":
+        options = dict(num_problems=args.problems, hops=args.hops, target_tokens=args.context, seed=args.seed,
+                       batch_size=args.batch_size)
+    elif args.task == "mqar":
+        options = dict(num_examples=args.problems, seq_len=args.context, num_kv_pairs=args.kv_pairs, seed=args.seed,
+                       batch_size=args.batch_size)
+    else:
+        options = dict(limit=args.problems, batch_size=args.batch_size, include_path=args.lm_eval_include,
+                       num_fewshot=args.fewshot) if args.task.startswith("lm-eval:") else {}
+    options = {k: v for k, v in options.items() if v is not None}
+    metrics = eval_task_command(args.model, args.task, args.out, **options)
     print(json.dumps(metrics))
     return 0
 
@@ -159,12 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("eval", help="evaluate a model (converted or original)")
     p.add_argument("model", help="converted directory, model directory or known name")
-    p.add_argument("--task", required=True, help="ppl")
+    p.add_argument("--task", required=True, help="ppl | hashhop | mqar | lm-eval:<task>")
     p.add_argument("--data", nargs="+", metavar="FILE", help="text to score (ppl)")
     p.add_argument("--out", help="metrics JSON to write")
-    p.add_argument("--context", type=int, default=1024, help="ppl: tokens per window")
+    p.add_argument("--context", type=int, default=1024, help="ppl: tokens per window; hashhop/mqar: prompt tokens")
+    p.add_argument("--problems", type=int, help="hashhop/mqar: number of problems; lm-eval: limit per task")
+    p.add_argument("--hops", type=int, default=2, help="hashhop: hops per query")
+    p.add_argument("--kv-pairs", type=int, default=32, help="mqar: key-value pairs per sequence")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stride", type=int, help="ppl: window step (default: --context, no overlap)")
     p.add_argument("--max-tokens", type=int, help="ppl: score only the first N tokens of the text")
+    p.add_argument("--lm-eval-include", metavar="DIR", help="lm-eval: directory of extra task YAML files")
+    p.add_argument("--fewshot", type=int, help="lm-eval: number of few-shot examples")
     p.add_argument("--batch-size", type=int, default=4)
     p.set_defaults(func=cmd_eval)
 

@@ -1,4 +1,5 @@
-"""Evaluation: perplexity over a text with a sliding window."""
+"""Evaluation: perplexity over a text with a sliding window, HashHop by generation, MQAR
+as in-context recall over real tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
+
+from .tasks.hashhop import generate_hashhop, score_hashhop
+from .tasks.mqar import mqar_tokens, score_mqar
 
 
 @dataclass
@@ -69,3 +73,60 @@ def perplexity(
             total_tokens += len(target)
     nll = total_nll / total_tokens
     return Perplexity(total_tokens, nll, math.exp(nll), context, stride)
+
+
+@torch.no_grad()
+def hashhop_accuracy(
+    model, tokenizer, num_problems: int = 20, hops: int = 2, target_tokens: int = 512, cot: bool = False,
+    shots: int = 1, seed: int = 0, batch_size: int = 4, progress: bool = True,
+) -> dict:
+    """Greedy completions of HashHop prompts sized to `target_tokens`, scored by exact match."""
+    problems = generate_hashhop(num_problems, hops=hops, target_tokens=target_tokens, tokenizer=tokenizer,
+                                cot=cot, seed=seed, shots=shots)
+    answer_tokens = max(len(tokenizer.encode(" " + p.answer, add_special_tokens=False)) for p in problems)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    predictions = []
+    model.eval()
+    for first in tqdm(range(0, len(problems), batch_size), desc="hashhop", unit="batch", disable=not progress):
+        prompts = [p.prompt for p in problems[first:first + batch_size]]
+        encoded = [tokenizer.encode(text) for text in prompts]
+        width = max(map(len, encoded))
+        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(encoded):  # left padding, as generation needs
+            ids[row, width - len(tokens):] = torch.tensor(tokens)
+            mask[row, width - len(tokens):] = 1
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens + 2, do_sample=False, pad_token_id=pad)
+        predictions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    scores = score_hashhop(predictions, problems)
+    return {"task": "hashhop", "hops": hops, "target_tokens": target_tokens, "cot": cot, "shots": shots,
+            "n_chains_mean": sum(p.n_chains for p in problems) / len(problems), **scores}
+
+
+@torch.no_grad()
+def mqar_accuracy(
+    model, tokenizer, num_examples: int = 32, seq_len: int = 512, num_kv_pairs: int = 32, seed: int = 0,
+    batch_size: int = 8,
+) -> dict:
+    """In-context associative recall with real tokens: MQAR sequences whose ids are mapped
+    onto a fixed pool of the tokenizer's single-token words, scored on the queried values
+    (teacher-forced, one forward pass per batch)."""
+    pool = word_pool(tokenizer, 2 * num_kv_pairs * 8)
+    data = mqar_tokens(num_examples, seq_len, num_kv_pairs, vocab_size=len(pool), seed=seed)
+    ids = pool[data["input_ids"]]
+    labels = torch.where(data["labels"] >= 0, pool[data["labels"].clamp_min(0)], data["labels"])
+    logits = torch.cat([model(ids[i:i + batch_size], use_cache=False).logits for i in range(0, len(ids), batch_size)])
+    return {"task": "mqar", "seq_len": seq_len, "num_kv_pairs": num_kv_pairs, **score_mqar(logits, labels)}
+
+
+def word_pool(tokenizer, size: int) -> Tensor:
+    """`size` distinct token ids of lowercase words with a leading space (e.g. ' house'),
+    the ids a model reads as ordinary words; deterministic for a tokenizer."""
+    pool = []
+    for token, index in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        word = tokenizer.convert_tokens_to_string([token])
+        if word.startswith(" ") and word[1:].isalpha() and word[1:].islower() and len(word) > 3:
+            pool.append(index)
+            if len(pool) == size:
+                return torch.tensor(pool)
+    raise ValueError(f"the tokenizer has only {len(pool)} plain word tokens, {size} needed")

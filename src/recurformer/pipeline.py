@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import ConfigError, MixerConfig
 from .data import check_length, load_documents, token_sequences, tokenize_documents
-from .evaluate import perplexity
+from .evaluate import hashhop_accuracy, mqar_accuracy, perplexity
 from .files import write_json_atomic
 from .hub import resolve_model
 from .modeling import check_architecture
@@ -219,7 +219,7 @@ def load_any(name_or_path: str):
 
 
 def eval_ppl_command(
-    model: str, data: list[str], out: str | None = None, context: int = 1024, stride: int | None = None,
+    model: str, data: list[str] | None, out: str | None = None, context: int = 1024, stride: int | None = None,
     max_tokens: int | None = None, batch_size: int = 4,
 ) -> dict:
     """Perplexity of `model` on the text of `data` (the first `max_tokens` tokens if given)."""
@@ -227,6 +227,8 @@ def eval_ppl_command(
         raise ConfigError(f"--stride must be in [1, --context], got {stride}")
     if max_tokens is not None and max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if not data:
+        raise ConfigError("--task ppl needs --data FILE")
     documents = load_documents(data)
     net, tokenizer = load_any(model)
     check_length(context, getattr(net.config, "text_config", net.config))
@@ -271,3 +273,27 @@ def bench_command(
     if plot:
         plot_bench(result, plot)
     return result
+
+
+TASKS = ("ppl", "hashhop", "mqar", "lm-eval:<task>")
+
+
+def eval_task_command(model: str, task: str, out: str | None = None, **options) -> dict:
+    """Evaluate `model` (converted directory, model directory or known name) on `task`."""
+    if task == "ppl":
+        return eval_ppl_command(model, out=out, **options)
+    if task not in ("hashhop", "mqar") and not task.startswith("lm-eval:"):
+        raise ConfigError(f"--task: unknown {task!r}; choose one of {', '.join(TASKS)}")
+    net, tokenizer = load_any(model)
+    if task == "hashhop":
+        metrics = hashhop_accuracy(net, tokenizer, **options)
+    elif task == "mqar":
+        metrics = mqar_accuracy(net, tokenizer, **options)
+    else:
+        from .lm_eval_adapter import run_lm_eval
+
+        metrics = run_lm_eval(net, tokenizer, task.split(":", 1)[1], **options)
+    metrics = {"model": str(model), **metrics}
+    if out:
+        write_json_atomic(out, metrics)
+    return metrics

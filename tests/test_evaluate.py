@@ -1,0 +1,92 @@
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.modeling_outputs import CausalLMOutput
+
+from recurformer.evaluate import hashhop_accuracy, mqar_accuracy, perplexity, windows
+from recurformer.surgery import convert
+from tiny_models import spec_for, tiny_model, tiny_tokenizer
+
+TOY_TASKS = Path(__file__).parent / "data" / "lm_eval_toy"
+
+
+class Uniform(torch.nn.Module):
+    """Predicts the uniform distribution over `vocab` tokens at every position."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, ids, attention_mask=None, use_cache=False):
+        return CausalLMOutput(logits=torch.zeros(*ids.shape, self.vocab))
+
+
+@pytest.mark.parametrize("context, stride", [(64, 64), (64, 16), (1000, 1000)])
+def test_uniform_model_has_perplexity_equal_to_the_vocabulary(context, stride):
+    ids = torch.randint(0, 321, (500,))
+    result = perplexity(Uniform(321), ids, context=context, stride=stride, progress=False)
+    assert result.ppl == pytest.approx(321, rel=1e-6)
+
+
+@pytest.mark.parametrize("length, context, stride", [(500, 64, 64), (500, 64, 16), (10, 4, 3), (64, 64, 64)])
+def test_windows_score_each_token_at_most_once(length, context, stride):
+    scored = [t for start, end, first in windows(length, context, stride) for t in range(first, end)]
+    assert len(scored) == len(set(scored)) and max(scored) == length - 1
+    for start, end, first in windows(length, context, stride):
+        assert end - start <= context and first > start
+
+
+def test_perplexity_matches_a_direct_computation():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 97, (200,))
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0]
+    direct = torch.nn.functional.cross_entropy(logits[:-1], ids[1:]).item()
+    assert perplexity(model, ids, context=200, progress=False).nll == pytest.approx(direct, rel=1e-5)
+
+
+def test_hashhop_and_mqar_run_on_a_converted_model():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    tokenizer = tiny_tokenizer()
+    result = hashhop_accuracy(converted, tokenizer, num_problems=2, hops=1, target_tokens=300, progress=False)
+    assert result["n"] == 2 and 0.0 <= result["exact_match"] <= 1.0
+
+
+def test_mqar_word_pool_is_reported_clearly():
+    with pytest.raises(ValueError, match="plain word tokens"):
+        mqar_accuracy(tiny_model("llama"), tiny_tokenizer(), num_examples=2, seq_len=64, num_kv_pairs=8)
+
+
+TOY_TASK = """
+task: recurformer_toy
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_lm_eval_adapter_runs_a_local_task(tmp_path, monkeypatch):
+    """A two-choice task defined in local files: lm-eval runs without the hub."""
+    pytest.importorskip("lm_eval")
+    from recurformer.lm_eval_adapter import run_lm_eval
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "toy.yaml").write_text(TOY_TASK.format(data=TOY_TASKS / "recurformer_toy.jsonl"))
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    result = run_lm_eval(converted, tiny_tokenizer(), "recurformer_toy", include_path=str(tmp_path), batch_size=2)
+    assert 0.0 <= result["recurformer_toy/acc,none"] <= 1.0
+    assert result["task"] == "lm-eval:recurformer_toy"
