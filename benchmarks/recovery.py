@@ -4,7 +4,7 @@ each continual-training stage, for init=reuse and init=random, at a fixed CPU bu
 Writes docs/results/recovery.json and docs/results/recovery.md. Resumable: a stage whose
 output holds train_summary.json (or a metrics file) is not run again.
 
-    python benchmarks/recovery.py [--work runs/recovery] [--transfer-steps 70] [--lm-steps 120]
+    python benchmarks/recovery.py [--work runs/recovery] [--transfer-steps 70] [--lm-steps 50]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--transfer-steps", type=int, default=70)
-    parser.add_argument("--lm-steps", type=int, default=120)
+    parser.add_argument("--lm-steps", type=int, default=50)
     parser.add_argument("--eval-tokens", type=int, default=32768)
     args = parser.parse_args()
     work = Path(args.work)

@@ -32,7 +32,7 @@ def selective_scan(
     if backend not in BACKENDS:
         raise ValueError(f"unknown scan backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "cuda" if u.is_cuda and cuda_available() else "chunked"
+        backend = "cuda" if u.is_cuda and initial_state is None and cuda_available() else "chunked"
     kernel = {
         "naive": selective_scan_naive,
         "chunked": selective_scan_chunked,
