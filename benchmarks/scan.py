@@ -1,0 +1,224 @@
+"""Speed of the chunked CPU selective scan against the naive loop, and a matmul-bound estimate.
+
+Batch 1, d_inner 384, d_state 16 (a Mamba-1 block of a ~135M model), T in 256, 1024, 4096:
+forward, and forward + backward (gradients w.r.t. u, delta, A, B, C), median of a few
+repeats after a warm-up. The estimate is the time the chunked scan's own matmul FLOPs
+would take at this machine's sgemm rate, measured in the same run: how fast it would be
+if its elementwise work (exp, products, sums) cost nothing (docs/scan.md explains it).
+
+Writes docs/results/scan.json and docs/results/scan.png.
+
+    python benchmarks/scan.py [--lengths 256,1024,4096] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from recurformer.ops.selective_scan import selective_scan_chunked, selective_scan_naive
+from recurformer.ops.selective_scan import chunked as chunked_module
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+CHANNELS, N_STATE = 384, 16
+
+KEYS = {
+    "length": "sequence length T (batch 1, d_inner 384, d_state 16)",
+    "naive_fwd_ms": "selective_scan_naive forward, median wall time in ms",
+    "chunked_fwd_ms": "selective_scan_chunked forward, median wall time in ms",
+    "naive_fwdbwd_ms": "naive forward + backward (grads of u, delta, A, B, C), median ms",
+    "chunked_fwdbwd_ms": "chunked forward + backward, median ms",
+    "naive_fwdbwd_repeats": "timed repeats behind naive_fwdbwd_ms (1 when it is slow)",
+    "fwd_speedup": "naive_fwd_ms / chunked_fwd_ms",
+    "fwdbwd_speedup": "naive_fwdbwd_ms / chunked_fwdbwd_ms",
+    "fwd_matmul_gflop": "matmul FLOPs of the chunked forward (triangular bmm, end-state gemv, cumsum)",
+    "fwdbwd_matmul_gflop": "matmul FLOPs of the chunked forward + backward",
+    "fwd_bound_ms": "fwd_matmul_gflop at sgemm_gflops: the matmul-bound estimate of the forward",
+    "fwdbwd_bound_ms": "fwdbwd_matmul_gflop at sgemm_gflops",
+    "fwd_over_bound": "chunked_fwd_ms / fwd_bound_ms (the target is <= 3)",
+    "fwdbwd_over_bound": "chunked_fwdbwd_ms / fwdbwd_bound_ms",
+}
+
+
+def inputs(length: int, requires_grad: bool = False) -> list[torch.Tensor]:
+    """Mamba-1 style inputs: A = -(1..N) per channel (S4D-real init), delta ~ softplus, dt in [1e-3, 0.1]."""
+    g = torch.Generator().manual_seed(0)
+    dt = torch.exp(math.log(1e-3) + torch.rand(CHANNELS, generator=g) * math.log(100.0))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus: softplus(dt_bias) = dt
+    u = torch.randn(1, length, CHANNELS, generator=g)
+    delta = F.softplus(0.5 * torch.randn(1, length, CHANNELS, generator=g) + dt_bias)
+    A = -torch.arange(1, N_STATE + 1, dtype=torch.float32).repeat(CHANNELS, 1)
+    B = torch.randn(1, length, N_STATE, generator=g)
+    C = torch.randn(1, length, N_STATE, generator=g)
+    return [t.requires_grad_(requires_grad) for t in (u, delta, A, B, C)]
+
+
+def median_ms(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def forward(scan, length: int):
+    args = inputs(length)
+
+    def run():
+        with torch.no_grad():
+            scan(*args)
+
+    return run
+
+
+def forward_backward(scan, length: int):
+    args = inputs(length, requires_grad=True)
+    weight = torch.randn(1, length, CHANNELS, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        y = scan(*args)
+        torch.autograd.grad((y * weight).sum(), args)
+
+    return run
+
+
+def sgemm_gflops(size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / (median_ms(lambda: a @ b, repeats, warmup=2) * 1e-3) / 1e9
+
+
+def matmul_gflop(length: int, chunk: int) -> tuple[float, float]:
+    """Matmul FLOPs of the chunked scan at this size (forward, forward + backward).
+
+    Per segment of l steps and per state n: the (l+1) x (l+1) @ (l+1) x d triangular bmm,
+    the (l+1)-long end-state gemv over d; per segment: the (l+1) x l cumsum matmul over d.
+    The backward recomputes the forward's bmm and adds two more (adjoint and dL/dB), one
+    more gemv and the transposed cumsum.
+    """
+    segments, rem = divmod(length, chunk)
+    assert rem == 0, "the estimate assumes T is a multiple of the chunk size"
+    size = chunk + 1
+    tri = 2 * size * size * CHANNELS * N_STATE * segments
+    gemv = 2 * size * CHANNELS * N_STATE * segments
+    cumsum = 2 * size * chunk * CHANNELS * segments
+    fwd = tri + gemv + cumsum
+    return fwd / 1e9, (fwd + 3 * tri + gemv + cumsum) / 1e9
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r["length"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label, style in [
+        ("naive_fwd_ms", "naive forward", "o--"),
+        ("chunked_fwd_ms", "chunked forward", "o-"),
+        ("naive_fwdbwd_ms", "naive fwd+bwd", "s--"),
+        ("chunked_fwdbwd_ms", "chunked fwd+bwd", "s-"),
+        ("fwd_bound_ms", "matmul bound (fwd)", "^:"),
+    ]:
+        left.plot(lengths, [r[key] for r in rows], style, label=label)
+    left.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms (median)", title="time")
+    left.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    left.set_xticks(lengths, [str(t) for t in lengths])
+    left.legend(fontsize=8)
+    width = 0.38
+    xs = range(len(rows))
+    right.bar([x - width / 2 for x in xs], [r["fwd_speedup"] for r in rows], width, label="forward")
+    right.bar([x + width / 2 for x in xs], [r["fwdbwd_speedup"] for r in rows], width, label="fwd+bwd")
+    right.axhline(20, color="gray", linestyle=":", label="20x target")
+    right.set(yscale="log", xlabel="sequence length T", ylabel="naive / chunked", title="speed-up")
+    right.set_xticks(list(xs), [str(t) for t in lengths])
+    right.legend(fontsize=8)
+    fig.suptitle(f"selective scan, batch 1, d_inner {CHANNELS}, d_state {N_STATE}, {torch.get_num_threads()} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_json(data: dict, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="256,1024,4096")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--slow-ms", type=float, default=3000.0,
+                        help="time naive fwd+bwd once only when one run takes longer than this")
+    parser.add_argument("--out", default=str(RESULTS / "scan.json"))
+    args = parser.parse_args()
+    chunk = chunked_module._DEFAULT_CHUNK
+    load_before = os.getloadavg()[0]
+    gflops = sgemm_gflops()
+    rows = []
+    for length in (int(t) for t in args.lengths.split(",")):
+        row = {"length": length}
+        row["naive_fwd_ms"] = median_ms(forward(selective_scan_naive, length), args.repeats)
+        row["chunked_fwd_ms"] = median_ms(forward(selective_scan_chunked, length), args.repeats)
+        naive_fb = forward_backward(selective_scan_naive, length)
+        first = median_ms(naive_fb, 1, warmup=0)  # doubles as the warm-up
+        slow = first > args.slow_ms
+        row["naive_fwdbwd_ms"] = first if slow else median_ms(naive_fb, args.repeats, warmup=0)
+        row["naive_fwdbwd_repeats"] = 1 if slow else args.repeats
+        row["chunked_fwdbwd_ms"] = median_ms(forward_backward(selective_scan_chunked, length), args.repeats)
+        row["fwd_speedup"] = row["naive_fwd_ms"] / row["chunked_fwd_ms"]
+        row["fwdbwd_speedup"] = row["naive_fwdbwd_ms"] / row["chunked_fwdbwd_ms"]
+        row["fwd_matmul_gflop"], row["fwdbwd_matmul_gflop"] = matmul_gflop(length, chunk)
+        row["fwd_bound_ms"] = row["fwd_matmul_gflop"] / gflops * 1e3
+        row["fwdbwd_bound_ms"] = row["fwdbwd_matmul_gflop"] / gflops * 1e3
+        row["fwd_over_bound"] = row["chunked_fwd_ms"] / row["fwd_bound_ms"]
+        row["fwdbwd_over_bound"] = row["chunked_fwdbwd_ms"] / row["fwdbwd_bound_ms"]
+        rows.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    data = {
+        "description": "selective scan: naive loop vs chunked (CPU, fp32), batch 1, d_inner 384, d_state 16",
+        "keys": KEYS,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "chunk_size": chunk,
+        "sgemm_gflops": gflops,
+        "sgemm_note": "median of 2048 x 2048 fp32 torch.mm, same process, same threads",
+        "loadavg_1min_before": load_before,
+        "loadavg_1min_after": os.getloadavg()[0],
+        "results": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(data, out)
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
