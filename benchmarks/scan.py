@@ -1,10 +1,16 @@
-"""Speed of the chunked CPU selective scan against the naive loop, and a matmul-bound estimate.
+"""Speed of the chunked CPU selective scan against the naive loop, with two reference bounds.
 
 Batch 1, d_inner 384, d_state 16 (a Mamba-1 block of a ~135M model), T in 256, 1024, 4096:
 forward, and forward + backward (gradients w.r.t. u, delta, A, B, C), median of a few
-repeats after a warm-up. The estimate is the time the chunked scan's own matmul FLOPs
-would take at this machine's sgemm rate, measured in the same run: how fast it would be
-if its elementwise work (exp, products, sums) cost nothing (docs/scan.md explains it).
+repeats after a warm-up. Two estimates, both from rates measured in the same run
+(docs/scan.md explains them):
+
+* matmul bound: the FLOPs of the scan written as chunked matmuls (the log-space form, 16
+  steps per chunk) at this machine's sgemm rate: the time if it were matmul-bound and
+  its elementwise work (exp, products, sums) were free;
+* pass floor: the number of full elementwise passes over the [T, N, D] state values
+  that chunked.py makes, times the measured time of one multiply pass: the time if
+  eager PyTorch had no per-op overhead.
 
 Writes docs/results/scan.json and docs/results/scan.png.
 
@@ -41,12 +47,15 @@ KEYS = {
     "naive_fwdbwd_repeats": "timed repeats behind naive_fwdbwd_ms (1 when it is slow)",
     "fwd_speedup": "naive_fwd_ms / chunked_fwd_ms",
     "fwdbwd_speedup": "naive_fwdbwd_ms / chunked_fwdbwd_ms",
-    "fwd_matmul_gflop": "matmul FLOPs of the chunked forward (triangular bmm, end-state gemv, cumsum)",
-    "fwdbwd_matmul_gflop": "matmul FLOPs of the chunked forward + backward",
-    "fwd_bound_ms": "fwd_matmul_gflop at sgemm_gflops: the matmul-bound estimate of the forward",
-    "fwdbwd_bound_ms": "fwdbwd_matmul_gflop at sgemm_gflops",
-    "fwd_over_bound": "chunked_fwd_ms / fwd_bound_ms (the target is <= 3)",
-    "fwdbwd_over_bound": "chunked_fwdbwd_ms / fwdbwd_bound_ms",
+    "matmul_gflop_fwd": "FLOPs of the scan as chunked matmuls (log-space form, 16-step chunks), forward",
+    "matmul_gflop_fwdbwd": "the same for forward + backward",
+    "matmul_bound_fwd_ms": "matmul_gflop_fwd at sgemm_gflops: the matmul-bound estimate of the forward",
+    "matmul_bound_fwdbwd_ms": "matmul_gflop_fwdbwd at sgemm_gflops",
+    "pass_floor_fwd_ms": "FWD_PASSES full passes over [T, N, D] at multiply_pass_ns per element",
+    "pass_floor_fwdbwd_ms": "(FWD_PASSES + BWD_PASSES) passes, likewise",
+    "fwd_over_matmul_bound": "chunked_fwd_ms / matmul_bound_fwd_ms (the target was <= 3)",
+    "fwdbwd_over_matmul_bound": "chunked_fwdbwd_ms / matmul_bound_fwdbwd_ms",
+    "fwd_over_pass_floor": "chunked_fwd_ms / pass_floor_fwd_ms",
 }
 
 
@@ -100,22 +109,30 @@ def sgemm_gflops(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size**3 / (median_ms(lambda: a @ b, repeats, warmup=2) * 1e-3) / 1e9
 
 
-def matmul_gflop(length: int, chunk: int) -> tuple[float, float]:
-    """Matmul FLOPs of the chunked scan at this size (forward, forward + backward).
+def matmul_gflop(length: int, chunk: int = 16) -> tuple[float, float]:
+    """FLOPs of the scan as chunked matmuls (forward, forward + backward), in GFLOP.
 
-    Per segment of l steps and per state n: the (l+1) x (l+1) @ (l+1) x d triangular bmm,
-    the (l+1)-long end-state gemv over d; per segment: the (l+1) x l cumsum matmul over d.
-    The backward recomputes the forward's bmm and adds two more (adjoint and dL/dB), one
-    more gemv and the transposed cumsum.
+    The log-space chunked form (docs/scan.md): per chunk of l steps and per state, one
+    (l+1) x (l+1) @ (l+1) x D lower-triangular product; the backward needs three more of
+    the same size (recomputation, adjoint, dL/dB). Everything else is elementwise.
     """
-    segments, rem = divmod(length, chunk)
-    assert rem == 0, "the estimate assumes T is a multiple of the chunk size"
-    size = chunk + 1
-    tri = 2 * size * size * CHANNELS * N_STATE * segments
-    gemv = 2 * size * CHANNELS * N_STATE * segments
-    cumsum = 2 * size * chunk * CHANNELS * segments
-    fwd = tri + gemv + cumsum
-    return fwd / 1e9, (fwd + 3 * tri + gemv + cumsum) / 1e9
+    per_element = 2 * (chunk + 1) ** 2 / chunk  # per element of the [T, N, D] states
+    fwd = per_element * length * N_STATE * CHANNELS
+    return fwd / 1e9, 4 * fwd / 1e9
+
+
+# Full passes over [T, N, D] values made by chunked.py (docs/scan.md counts them):
+# forward: delta*A, exp, B*du, chunk end states, states, y = C.h;
+# backward: those four again, C*gy, dL/dC, two adjoint sweeps, dL/dB, dL/ddu,
+# g*a*h_prev (2), dL/dA (2) and dL/ddelta (2).
+FWD_PASSES, BWD_PASSES = 6, 16
+
+
+def multiply_pass_ns() -> float:
+    """Nanoseconds per element of one out-of-place multiply over block-sized fp32 buffers."""
+    block = chunked_module._BLOCK_ELEMENTS
+    a, b, out = torch.rand(block), torch.rand(block), torch.empty(block)
+    return median_ms(lambda: torch.mul(a, b, out=out), 20, warmup=3) * 1e6 / block
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -132,7 +149,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ("chunked_fwd_ms", "chunked forward", "o-"),
         ("naive_fwdbwd_ms", "naive fwd+bwd", "s--"),
         ("chunked_fwdbwd_ms", "chunked fwd+bwd", "s-"),
-        ("fwd_bound_ms", "matmul bound (fwd)", "^:"),
+        ("matmul_bound_fwd_ms", "matmul bound (fwd)", "^:"),
+        ("pass_floor_fwd_ms", "elementwise pass floor (fwd)", "v:"),
     ]:
         left.plot(lengths, [r[key] for r in rows], style, label=label)
     left.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms (median)", title="time")
@@ -174,11 +192,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--slow-ms", type=float, default=3000.0,
                         help="time naive fwd+bwd once only when one run takes longer than this")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", default=str(RESULTS / "scan.json"))
     args = parser.parse_args()
     chunk = chunked_module._DEFAULT_CHUNK
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     load_before = os.getloadavg()[0]
     gflops = sgemm_gflops()
+    pass_ns = multiply_pass_ns()
     rows = []
     for length in (int(t) for t in args.lengths.split(",")):
         row = {"length": length}
@@ -192,11 +213,15 @@ def main() -> None:
         row["chunked_fwdbwd_ms"] = median_ms(forward_backward(selective_scan_chunked, length), args.repeats)
         row["fwd_speedup"] = row["naive_fwd_ms"] / row["chunked_fwd_ms"]
         row["fwdbwd_speedup"] = row["naive_fwdbwd_ms"] / row["chunked_fwdbwd_ms"]
-        row["fwd_matmul_gflop"], row["fwdbwd_matmul_gflop"] = matmul_gflop(length, chunk)
-        row["fwd_bound_ms"] = row["fwd_matmul_gflop"] / gflops * 1e3
-        row["fwdbwd_bound_ms"] = row["fwdbwd_matmul_gflop"] / gflops * 1e3
-        row["fwd_over_bound"] = row["chunked_fwd_ms"] / row["fwd_bound_ms"]
-        row["fwdbwd_over_bound"] = row["chunked_fwdbwd_ms"] / row["fwdbwd_bound_ms"]
+        row["matmul_gflop_fwd"], row["matmul_gflop_fwdbwd"] = matmul_gflop(length)
+        row["matmul_bound_fwd_ms"] = row["matmul_gflop_fwd"] / gflops * 1e3
+        row["matmul_bound_fwdbwd_ms"] = row["matmul_gflop_fwdbwd"] / gflops * 1e3
+        elements = length * N_STATE * CHANNELS
+        row["pass_floor_fwd_ms"] = FWD_PASSES * elements * pass_ns / 1e6
+        row["pass_floor_fwdbwd_ms"] = (FWD_PASSES + BWD_PASSES) * elements * pass_ns / 1e6
+        row["fwd_over_matmul_bound"] = row["chunked_fwd_ms"] / row["matmul_bound_fwd_ms"]
+        row["fwdbwd_over_matmul_bound"] = row["chunked_fwdbwd_ms"] / row["matmul_bound_fwdbwd_ms"]
+        row["fwd_over_pass_floor"] = row["chunked_fwd_ms"] / row["pass_floor_fwd_ms"]
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     data = {
@@ -209,6 +234,10 @@ def main() -> None:
         "chunk_size": chunk,
         "sgemm_gflops": gflops,
         "sgemm_note": "median of 2048 x 2048 fp32 torch.mm, same process, same threads",
+        "multiply_pass_ns": pass_ns,
+        "multiply_pass_note": "ns per element of torch.mul(out=) over fp32 buffers of _BLOCK_ELEMENTS",
+        "fwd_passes": FWD_PASSES,
+        "bwd_passes": BWD_PASSES,
         "loadavg_1min_before": load_before,
         "loadavg_1min_after": os.getloadavg()[0],
         "results": rows,

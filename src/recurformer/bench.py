@@ -124,6 +124,8 @@ def compare(
 ) -> dict:
     """Measure every `name -> (model, cache kind)` at every context, alternating, and the
     ratios of every other contender to each of `baselines`."""
+    for model, cache in contenders.values():  # untimed: first calls pay one-time start-up costs
+        measure(model, "warm-up", min(contexts), cache, decode_steps=2, warmup=1)
     rows: list[Measurement] = []
     for context in contexts:
         for name, (model, cache) in contenders.items():

@@ -42,7 +42,7 @@ _EXP_FLOOR = -40.0
 _DEFAULT_CHUNK = 16
 # Elements of one [B, P, l, N, D] block buffer: the few buffers of a block should stay
 # in cache, while blocks should be large enough to amortise the cost of each op.
-_BLOCK_ELEMENTS = 1 << 19
+_BLOCK_ELEMENTS = 1 << 21
 
 
 def selective_scan_chunked(
