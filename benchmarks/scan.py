@@ -159,10 +159,13 @@ def plot(rows: list[dict], path: Path) -> None:
     left.legend(fontsize=8)
     width = 0.38
     xs = range(len(rows))
-    right.bar([x - width / 2 for x in xs], [r["fwd_speedup"] for r in rows], width, label="forward")
-    right.bar([x + width / 2 for x in xs], [r["fwdbwd_speedup"] for r in rows], width, label="fwd+bwd")
+    for offset, key, label in [(-width / 2, "fwd_speedup", "forward"), (width / 2, "fwdbwd_speedup", "fwd+bwd")]:
+        bars = right.bar([x + offset for x in xs], [r[key] for r in rows], width, label=label)
+        right.bar_label(bars, fmt="%.1fx", fontsize=8)
     right.axhline(20, color="gray", linestyle=":", label="20x target")
-    right.set(yscale="log", xlabel="sequence length T", ylabel="naive / chunked", title="speed-up")
+    right.set(yscale="log", xlabel="sequence length T", ylabel="naive / chunked (log)", title="speed-up")
+    right.set_yticks([1, 2, 5, 10, 20, 50, 100], ["1", "2", "5", "10", "20", "50", "100"])
+    right.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     right.set_xticks(list(xs), [str(t) for t in lengths])
     right.legend(fontsize=8)
     fig.suptitle(f"selective scan, batch 1, d_inner {CHANNELS}, d_state {N_STATE}, {torch.get_num_threads()} threads")

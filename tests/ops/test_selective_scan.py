@@ -13,8 +13,6 @@ from recurformer.ops.selective_scan import (
 )
 from recurformer.ops.selective_scan import chunked
 
-ARGS = ("u", "delta", "A", "B", "C", "D", "z", "initial_state")
-
 
 def make_inputs(length, channels, n_state, *, batch=2, extras=True, seed=0, delta_scale=1.0, a_min=-8.0):
     """Random scan inputs; `extras` adds D, the gate z and an initial state."""
@@ -70,11 +68,14 @@ def test_chunked_matches_naive(length, extras):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
-@pytest.mark.parametrize("one_block", [True, False], ids=["one-block", "many-blocks"])
-def test_chunk_sizes_blocks_and_ragged_tails(chunk_size, one_block, monkeypatch):
-    if not one_block:  # blocks of 2 chunks: states are handed over between blocks too
-        monkeypatch.setattr(chunked, "_BLOCK_ELEMENTS", 2 * 2 * 6 * 12 * chunk_size)
-    assert_same_scan(make_inputs(100, 12, 6), chunk_size=chunk_size)
+@pytest.mark.parametrize("layout", ["one-block", "two-chunk-blocks", "sequential"])
+def test_chunk_sizes_layouts_and_ragged_tails(chunk_size, layout, monkeypatch):
+    batch, length, channels, n_state = 2, 100, 12, 6
+    if layout == "two-chunk-blocks":  # states are also handed over between blocks
+        monkeypatch.setattr(chunked, "_BLOCK_ELEMENTS", 2 * batch * n_state * channels * chunk_size)
+    if layout == "sequential":  # one chunk per block, stepped directly
+        monkeypatch.setattr(chunked, "_SEQUENTIAL_STEP", 1)
+    assert_same_scan(make_inputs(length, channels, n_state, batch=batch), chunk_size=chunk_size)
 
 
 def test_fast_decay_is_finite_and_exact():

@@ -15,12 +15,16 @@ of l steps, and P consecutive chunks form a block. Per block:
 4. the states, stepping the P chunks again, now from their true starts and in place
    (l ops), then y = C . h as one batched matmul.
 
-A scan of T steps thus costs about 2 T / P + T / l ops plus a few passes over
-[B, T, N, D] values. Every factor is a decay in (0, 1]; the only exponent is
-delta * A <= 0: the arithmetic is the naive loop's and cannot overflow, however large
-delta * |A| is. Decays below e^-40 (4e-18) are floored at e^-40 so that no product
-becomes denormal (denormal arithmetic is ~100x slower on x86, and we set no global
-flush-to-zero flag); this changes a state by less than 4e-18 of its magnitude.
+A scan of T steps thus costs about 2 T / P + T / l ops plus six passes over the
+[B, T, N, D] values, instead of about 8 T tiny ops. When one step is already a large op
+(B N D >= 16K values, e.g. a batch of 8), blocks hold a single chunk that is stepped
+directly from its known start: T ops, without the end-state sweep (`_layout`).
+
+Every factor is a decay in (0, 1]; the only exponent is delta * A <= 0: the arithmetic
+is the naive loop's and cannot overflow, however large delta * |A| is. Decays below
+e^-40 (4e-18) are floored at e^-40 so that no product becomes denormal (denormal
+arithmetic is ~100x slower on x86, and we set no global flush-to-zero flag); this
+changes a state by less than 4e-18 of its magnitude.
 
 The backward pass is written by hand: the adjoint g_t = C_t gy_t + a_{t+1} g_{t+1} is the
 same kind of recurrence run in reverse, stepped the same way. Each block's states are
@@ -38,11 +42,16 @@ from torch import Tensor
 
 # Exponent floor: decays exp(delta A) and whole-chunk decays are at least e^-40.
 _EXP_FLOOR = -40.0
-# Steps per chunk.
+# Steps per chunk when many chunks are stepped side by side.
 _DEFAULT_CHUNK = 16
-# Elements of one [B, P, l, N, D] block buffer: the few buffers of a block should stay
-# in cache, while blocks should be large enough to amortise the cost of each op.
+# Values in one [B, P, l, N, D] block buffer. Larger blocks mean fewer ops (each costs
+# ~10 us on top of its work), smaller ones faster passes; 2M was best on 2 cores.
 _BLOCK_ELEMENTS = 1 << 21
+# From this many values per step (B N D) on, a step is a large enough op to be run on
+# its own: one chunk per block, stepped directly, without the end-state sweep; such
+# blocks were best at about 4M values.
+_SEQUENTIAL_STEP = 1 << 14
+_SEQUENTIAL_BLOCK_ELEMENTS = 1 << 22
 
 
 def selective_scan_chunked(
@@ -69,7 +78,7 @@ def selective_scan_chunked(
         z: gate `[B, T, D]`; the output is multiplied by `silu(z)`.
         initial_state: state before the first step `[B, D, N]` (zeros if None).
         return_final_state: also return the state after the last step.
-        chunk_size: steps per chunk (default 16).
+        chunk_size: steps per chunk (default: 16, or more when batch * N * D is large).
 
     Returns:
         y `[B, T, D]` in the dtype of `u`, and the final state `[B, D, N]` (fp32) if asked.
@@ -79,10 +88,9 @@ def selective_scan_chunked(
     u, delta, A, B, C = (t.float() for t in (u, delta, A, B, C))
     batch, _, channels = u.shape
     n_state = A.shape[1]
-    chunk = _DEFAULT_CHUNK if chunk_size is None else chunk_size
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk}")
-    per_block = max(1, _BLOCK_ELEMENTS // (batch * n_state * channels * chunk))
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk, per_block = _layout(batch * n_state * channels, chunk_size)
     if initial_state is None:
         h0 = u.new_zeros(batch, n_state, channels)
     else:
@@ -94,6 +102,20 @@ def selective_scan_chunked(
         y = y * F.silu(z.float())
     y = y.to(dtype)
     return (y, h_last.transpose(1, 2)) if return_final_state else y
+
+
+def _layout(step: int, chunk_size: int | None) -> tuple[int, int]:
+    """Steps per chunk and chunks per block, for `step` = B N D values per time step.
+
+    Small steps: many chunks side by side (two sweeps and a carry per chunk, about
+    2 T / P + T / l ops). Large steps: one chunk per block, stepped directly from its
+    known start (T ops, one pass fewer). Measured on 2 cores at T = 1024-4096: the first
+    is ~1.2x faster at B N D = 12K, the second ~1.2-1.4x faster from 24K on.
+    """
+    if step >= _SEQUENTIAL_STEP:
+        return chunk_size or max(_DEFAULT_CHUNK, _SEQUENTIAL_BLOCK_ELEMENTS // step), 1
+    chunk = chunk_size or _DEFAULT_CHUNK
+    return chunk, max(1, _BLOCK_ELEMENTS // (step * chunk))
 
 
 class _ChunkedScan(torch.autograd.Function):
@@ -186,14 +208,15 @@ class _Block:
         out[:, self.t0 : self.t1] = value.reshape(value.shape[0], -1, value.shape[-1])[:, : self.t1 - self.t0]
 
     def _decays(self) -> tuple[Tensor, Tensor]:
-        """a = exp(delta A) `[b, p, j, n, d]`, and each chunk's total decay `[b, p, n, d]`."""
-        A_t = self.scan.A_t
-        a = torch.mul(self.delta.unsqueeze(3), A_t, out=self._buffer("a"))
+        """a = exp(delta A) `[b, p, j, n, d]`."""
+        a = torch.mul(self.delta.unsqueeze(3), self.scan.A_t, out=self._buffer("a"))
         if self.scan.floor:
             a.clamp_(min=_EXP_FLOOR)
-        a.exp_()
-        chunk_decay = (self.delta.sum(2).unsqueeze(2) * A_t).clamp_(min=_EXP_FLOOR).exp_()
-        return a, chunk_decay
+        return a.exp_()
+
+    def _chunk_decays(self) -> Tensor:
+        """Each chunk's total decay exp(A sum(delta)) `[b, p, n, d]`."""
+        return (self.delta.sum(2).unsqueeze(2) * self.scan.A_t).clamp_(min=_EXP_FLOOR).exp_()
 
     def _inputs(self) -> Tensor:
         """x = B du `[b, p, j, n, d]`, in the buffer that then holds the states."""
@@ -210,18 +233,20 @@ class _Block:
 
     def forward(self, starts: Tensor, y: Tensor) -> None:
         """Fill starts[:, 1:] from starts[:, 0] (`[b, p + 1, n, d]`) and this block's y."""
-        a, chunk_decay = self._decays()
-        x = self._inputs()
-        # 2. each chunk's end state from a zero start, all chunks side by side
-        end = self.scan.scratch[:, : self.P]
-        end.copy_(x[:, :, 0])
-        for a_j, x_j in zip(a.unbind(2)[1:], x.unbind(2)[1:]):
-            torch.addcmul(x_j, a_j, end, out=end)
-        # 3. true start states: the only loop over chunks
-        for c in range(self.P):
-            torch.addcmul(end[:, c], chunk_decay[:, c], starts[:, c], out=starts[:, c + 1])
-        # 4. the states, from the true starts, then y
+        a, x = self._decays(), self._inputs()
+        if self.P > 1:
+            # each chunk's end state from a zero start, all chunks side by side ...
+            end = self.scan.scratch[:, : self.P]
+            end.copy_(x[:, :, 0])
+            for a_j, x_j in zip(a.unbind(2)[1:], x.unbind(2)[1:]):
+                torch.addcmul(x_j, a_j, end, out=end)
+            # ... then the true start states: the only loop over chunks
+            chunk_decay = self._chunk_decays()
+            for c in range(self.P):
+                torch.addcmul(end[:, c], chunk_decay[:, c], starts[:, c], out=starts[:, c + 1])
         h = self._states(a, starts[:, :-1], x)
+        if self.P == 1:  # a single chunk starts from a known state: step it directly
+            starts[:, 1] = h[:, 0, -1]
         self._write(y, torch.matmul(self.C.unsqueeze(3), h).squeeze(3))
 
     def backward(self, starts: Tensor, g_end: Tensor, gy: Tensor, grads: SimpleNamespace) -> Tensor:
@@ -230,29 +255,38 @@ class _Block:
         starts: `[b, p, n, d]` saved start states of the chunks; g_end: `[b, n, d]`
         gradient of the state after the block; gy: `[B, T, D]` gradient of y.
         """
-        a, chunk_decay = self._decays()
+        a = self._decays()
         h = self._states(a, starts, self._inputs())
         gy = self._chunks(gy)  # [b, p, j, d]
         self._write(grads.C, torch.matmul(h, gy.unsqueeze(4)).squeeze(4))
 
-        # the adjoint of h: g_t = C_t gy_t + a_{t+1} g_{t+1}, stepped like the states
+        # the adjoint of h, g_t = C_t gy_t + a_{t+1} g_{t+1}, stepped like the states
         g = torch.mul(self.C.unsqueeze(4), gy.unsqueeze(3), out=self._buffer("g"))
         a_steps, g_steps = a.unbind(2), g.unbind(2)
-        # each chunk's adjoint at its first step, from a zero gradient after the chunk
-        first = self.scan.scratch[:, : self.P]
-        first.copy_(g_steps[-1])
-        for a_next, g_j in zip(a_steps[:0:-1], g_steps[-2::-1]):
-            torch.addcmul(g_j, a_next, first, out=first)
-        # the gradient flowing into each chunk's last state from the chunks after it
-        first.mul_(a_steps[0])
-        into_end = torch.empty_like(first)
-        for c in reversed(range(self.P)):
-            into_end[:, c] = g_end
-            g_end = torch.addcmul(first[:, c], chunk_decay[:, c], g_end)
-        g_steps[-1].add_(into_end)
+        if self.P > 1:
+            # each chunk's adjoint at its first step, from a zero gradient after it ...
+            first = self.scan.scratch[:, : self.P]
+            first.copy_(g_steps[-1])
+            for a_next, g_j in zip(a_steps[:0:-1], g_steps[-2::-1]):
+                torch.addcmul(g_j, a_next, first, out=first)
+            # ... then the gradient flowing into each chunk's last state from later chunks
+            first.mul_(a_steps[0])
+            chunk_decay = self._chunk_decays()
+            into_end = torch.empty_like(first)
+            for c in reversed(range(self.P)):
+                into_end[:, c] = g_end
+                g_end = torch.addcmul(first[:, c], chunk_decay[:, c], g_end)
+            g_steps[-1].add_(into_end)
+        else:  # a single chunk: the gradient after it is known
+            g_steps[-1].add_(g_end.unsqueeze(1))
         for a_next, g_j, g_after in zip(a_steps[:0:-1], g_steps[-2::-1], g_steps[:0:-1]):
             g_j.addcmul_(a_next, g_after)
+        if self.P == 1:
+            g_end = a_steps[0][:, 0] * g_steps[0][:, 0]
+        return self._gradients(a, h, g, starts, g_end, grads)
 
+    def _gradients(self, a, h, g, starts, g_start, grads) -> Tensor:
+        """Gradients of the inputs from the adjoint g and the states h; returns g_start."""
         # x_t = B_t du_t
         self._write(grads.B, torch.matmul(g, self.du.unsqueeze(4)).squeeze(4))
         self._write(grads.du, torch.matmul(self.B.unsqueeze(3), g).squeeze(3))
@@ -262,4 +296,4 @@ class _Block:
         q[:, :, 0].mul_(starts)
         grads.A_t.add_(torch.mul(q, self.delta.unsqueeze(3), out=h).sum((0, 1, 2)))
         self._write(grads.delta, q.mul_(self.scan.A_t).sum(3))
-        return g_end
+        return g_start
