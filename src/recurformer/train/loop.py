@@ -28,7 +28,7 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..config import ConfigError
+from ..config import ConfigError, _require
 from ..files import write_json_atomic
 
 STAGES = ("transfer", "lm")
@@ -41,11 +41,6 @@ SUMMARY = "train_summary.json"
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass
