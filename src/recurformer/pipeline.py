@@ -297,3 +297,20 @@ def eval_task_command(model: str, task: str, out: str | None = None, **options) 
     if out:
         write_json_atomic(out, metrics)
     return metrics
+
+
+def generate_command(model: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> str:
+    """The continuation of `prompt` (greedy when `temperature` is 0, else sampled)."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if not prompt:
+        raise ConfigError("--prompt is empty")
+    net, tokenizer = load_any(model)
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt")
+    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = net.eval().generate(**ids, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
