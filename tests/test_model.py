@@ -292,3 +292,13 @@ def test_kv_buffers_grow_by_blocks():
     per_token = sizes["kv"] / 300
     assert sizes["kv_reserved"] == per_token * 512  # 300 tokens -> two blocks of 256
     assert sizes["total"] == sizes["kv"] + sizes["mixer_state"]
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_crop_is_refused_once_a_mixer_state_exists(mixer):
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
+    with torch.no_grad():
+        cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        cache.crop(5)
