@@ -192,13 +192,15 @@ def plot(data: dict, path: Path) -> None:
 
     parts = []
     if "results" in data:
-        parts.append((data["results"], f"selective scan, batch 1, d_inner {CHANNELS}, d_state {N_STATE}", True))
+        title = f"selective scan, B 1, d_inner {CHANNELS}, d_state {N_STATE}, {data['threads']} threads"
+        parts.append((data["results"], title, True))
     if "ssd" in data:
-        parts.append((data["ssd"]["results"], f"SSD, batch 1, {SSD_HEADS} heads x P {SSD_HEAD_DIM} x N {SSD_STATE}", False))
-    fig, axes = plt.subplots(len(parts), 2, figsize=(11, 4.2 * len(parts)), squeeze=False)
+        title = f"SSD, B 1, {SSD_HEADS} heads x P {SSD_HEAD_DIM} x N {SSD_STATE}, {data['ssd']['threads']} thread(s)"
+        parts.append((data["ssd"]["results"], title, False))
+    fig, axes = plt.subplots(len(parts), 2, figsize=(12, 4.4 * len(parts)), squeeze=False)
     for (rows, title, pass_floor), (left, right) in zip(parts, axes):
         plot_part(rows, title, pass_floor, left, right)
-    fig.suptitle(f"CPU fp32, {data.get('threads', torch.get_num_threads())} threads; timings on a shared VM are noisy")
+    fig.suptitle("CPU, fp32, median wall time; the VM is shared, so timings are noisy")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -218,7 +220,8 @@ def plot_part(rows: list[dict], title: str, pass_floor: bool, left, right) -> No
         curves.append(("pass_floor_fwd_ms", "elementwise pass floor (fwd)", "v:"))
     for key, label, style in curves:
         left.plot(lengths, [r[key] for r in rows], style, label=label)
-    left.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms (median)", title=f"{title}: time")
+    left.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms (median)", title=title)
+    left.title.set_fontsize(9)
     left.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     left.set_xticks(lengths, [str(t) for t in lengths])
     left.legend(fontsize=8)
@@ -293,6 +296,7 @@ def selective_part(lengths: list[int], args, gflops: float) -> dict:
     return {
         "description": "selective scan: naive loop vs chunked (CPU, fp32), batch 1, d_inner 384, d_state 16",
         "keys": KEYS,
+        "threads": torch.get_num_threads(),
         "chunk_size": chunked_module._DEFAULT_CHUNK,
         "sgemm_gflops": gflops,
         "sgemm_note": "median of 2048 x 2048 fp32 torch.mm, same process, same threads",
@@ -321,6 +325,7 @@ def ssd_part(lengths: list[int], args, gflops: float) -> dict:
         "description": f"SSD (Mamba-2): naive loop vs chunked (CPU, fp32), batch 1, {SSD_HEADS} heads, head dim "
                        f"{SSD_HEAD_DIM}, state {SSD_STATE}, B in {SSD_GROUPS} groups, chunk {SSD_CHUNK}",
         "keys": SSD_KEYS,
+        "threads": torch.get_num_threads(),
         "chunk_size": SSD_CHUNK,
         "sgemm_gflops": gflops,
         "loadavg_1min_before": load_before,
@@ -351,7 +356,7 @@ def main() -> None:
         data.update(selective_part(lengths, args, gflops))
     if "ssd" in parts:
         data["ssd"] = ssd_part(lengths, args, gflops)
-    data.update(torch_version=torch.__version__, threads=torch.get_num_threads(), cpu=cpu_name(), cpu_count=os.cpu_count())
+    data.update(torch_version=torch.__version__, cpu=cpu_name(), cpu_count=os.cpu_count())
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(data, out)
     plot(data, out.with_suffix(".png"))
