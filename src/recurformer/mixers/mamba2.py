@@ -163,7 +163,7 @@ class Mamba2Mixer(Mixer):
         y, ssm_state = scan
         state["conv"].copy_(conv_state)
         state["ssm"].copy_(ssm_state)
-        return self._output(y.to(z.dtype), z)
+        return self._output(y, z)
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, updating the state in place (the recurrence of `ssd_naive` with T = 1,
