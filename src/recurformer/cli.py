@@ -45,7 +45,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     summary = convert_command(
         args.model, args.scores, args.beta, args.out, mixer=args.mixer, scorer=args.scorer,
-        init=args.init, seed=args.seed, force=args.force,
+        init=args.init, seed=args.seed, force=args.force, window=args.window, sinks=args.sinks,
     )
     print(json.dumps(summary))
     return 0
@@ -123,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="recurformer",
-        description="Replace recency-aware attention heads of a pretrained LLM with Mamba blocks.",
+        description="Replace recency-aware attention heads of a pretrained LLM with recurrent (or windowed) mixers.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="local HF model directory or a known name (smollm2-135m)")
     p.add_argument("--scores", required=True, help="scores JSON written by 'analyze' on this model")
     p.add_argument("--beta", type=_floats, required=True, help="fraction of KV groups to replace, in [0, 1]")
-    p.add_argument("--mixer", default="mamba", help="mixer kind (default mamba)")
+    p.add_argument("--mixer", default="mamba", help="mamba (default) | mamba2 | window (docs/mixers.md)")
+    p.add_argument("--window", type=int, help="window mixer: tokens each query attends back (default 64)")
+    p.add_argument("--sinks", type=int, help="window mixer: first tokens always attended (default 4)")
     p.add_argument("--scorer", default="recency", help="recency | random | inverse")
     p.add_argument("--init", default="reuse", help="reuse (from the replaced heads) | random")
     p.add_argument("--seed", type=int, default=0)

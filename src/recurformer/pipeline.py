@@ -76,6 +76,17 @@ def analyze_command(
     return scores
 
 
+def mixer_config_for(mixer: str, **options) -> MixerConfig:
+    """The MixerConfig of `--mixer` with the flags given (None: not given); a flag that
+    the kind does not read is an error rather than silently ignored."""
+    given = {name: value for name, value in options.items() if value is not None}
+    config = MixerConfig(kind=mixer, **given)
+    window_only = sorted(set(given) & {"window", "sinks"})
+    if window_only and mixer != "window":
+        raise ConfigError(f"--{window_only[0]} applies to --mixer window, not --mixer {mixer}")
+    return config
+
+
 def convert_command(
     model: str,
     scores: str,
@@ -86,12 +97,15 @@ def convert_command(
     init: str = "reuse",
     seed: int = 0,
     force: bool = False,
+    window: int | None = None,
+    sinks: int | None = None,
 ) -> dict:
-    """Select the groups to replace, convert, and save the model + tokenizer into `out`."""
+    """Select the groups to replace, convert, and save the model + tokenizer into `out`.
+    `window` and `sinks` size the window mixer (MixerConfig's defaults if None)."""
     check_beta(beta)
     if init not in INITS:
         raise ConfigError(f"--init: unknown {init!r}; choose one of {', '.join(INITS)}")
-    mixer_config = MixerConfig(kind=mixer)
+    mixer_config = mixer_config_for(mixer, window=window, sinks=sinks)
     chosen_scorer = make_scorer(scorer, seed)
     head_scores = HeadScores.load(scores)
     out_dir = Path(out)
