@@ -142,7 +142,7 @@ def _metrics(quick: bool) -> dict:
         "transfer_minutes": 8.5, "lm_steps": 20, "lm_tokens": 81_920, "lm_minutes": 16.0, "ppl_original": 24.22,
         "ppl_converted": 5139.0, "ppl_transfer": 83.7, "ppl_final": 40.1, "ppl_tokens": 16383, "ppl_ratio": 40.1 / 24.22,
         "hashhop_original": 0.25, "hashhop_final": 0.125, "mqar_original": 0.12, "mqar_final": 0.03,
-        "bench_context": 4096, "cache_bytes_original": 180 * 2**20, "cache_bytes_final": 91 * 2**20,
+        "bench_context": 4096, "bench_threads": 2, "cache_bytes_original": 180 * 2**20, "cache_bytes_final": 91 * 2**20,
         "cache_ratio": 0.506, "decode_tokens_per_s_original": 10.0, "decode_tokens_per_s_final": 14.0,
         "decode_speedup": 1.4, "decode_speedup_vs_static_cache": 1.1, "prefill_time_ratio": 0.9,
         "max_context_in_budget_original": 23_301, "max_context_in_budget_final": 46_573, "cache_budget_bytes": 2**30,
@@ -161,6 +161,7 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     assert "1.40x (1.10x vs a static cache)" in full
     assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.46 |" in full
     assert "| lm | 960.0 |" in full
+    assert "2 torch thread(s)" in full
     assert "Quick run" not in full
     assert "Quick run" in render_run_report(_metrics(True), {"beta": 0.5}, evaluation, bench)
 

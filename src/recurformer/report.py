@@ -157,7 +157,8 @@ def render_run_report(metrics: dict, config: dict, evaluation: dict, bench: dict
         "## 3. Cache, speed and memory",
         "",
         "Measured in one process, the original model (with transformers' dynamic cache, and with its static "
-        "cache) alternating with the converted one; decode speed is the median of the timed steps.",
+        f"cache) alternating with the converted one, fp32, batch 1, {m['bench_threads']} torch thread(s); decode "
+        "speed is the median of the timed steps.",
         "",
         "| model | context | prefill s | decode tok/s | K/V bytes | state bytes | peak memory |",
         "|---|---|---|---|---|---|---|",

@@ -312,7 +312,7 @@ def collect_metrics(run: Run) -> dict[str, Any]:
         for name in ("original", "final"):
             metrics[f"{task}_{name}"] = evaluation[f"{task}_{name}"][key]
     metrics.update({
-        "bench_context": largest,
+        "bench_context": largest, "bench_threads": bench["threads"],
         "cache_bytes_original": rows["original"]["cache_bytes"], "cache_bytes_final": rows[final]["cache_bytes"],
         "cache_ratio": ratios["original"]["cache_bytes_ratio"],
         "decode_tokens_per_s_original": rows["original"]["decode_tokens_per_s"],
