@@ -120,15 +120,17 @@ def main() -> None:
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--context", type=int, default=8150)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5", help="mixer:beta,...")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
     args = parser.parse_args()
     original = load_model(args.model)[0]
     contenders = {"original (DynamicCache)": (original, "dynamic"), "original (StaticCache)": (original, "static")}
-    for beta in (0.5, 0.75):
-        out = Path(args.work) / f"beta{beta}"
+    for variant in args.variants.split(","):
+        mixer, beta = variant.split(":")
+        out = Path(args.work) / f"{mixer}-beta{beta}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, beta, str(out), force=True)
-        contenders[f"beta {beta}"] = (load_converted(str(out))[0].eval(), "hybrid")
+            convert_command(args.model, args.scores, float(beta), str(out), mixer=mixer, force=True)
+        contenders[f"{mixer} beta {beta}"] = (load_converted(str(out))[0].eval(), "hybrid")
     rows = {}
     for name, (model, kind) in contenders.items():
         print(f"profiling {name} at {args.context} tokens", flush=True)

@@ -159,17 +159,18 @@ def _precision(choice: str) -> str:
 
 
 def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config: TrainConfig) -> float:
-    """Measured seconds of one optimizer step of `config` on one process.
+    """Measured seconds of one optimizer step of `config` in a single process.
 
-    Runs forward + backward of one micro-batch twice on a copy of `model` (so the model
-    and its trainable set stay untouched) under the same precision as `train`, and scales
-    the second, warm time by `grad_accum`. `make_objective(copy)` builds the stage's
-    objective for the copy.
+    Runs forward + backward of one sequence twice on a copy of `model` (so the model and
+    its trainable set stay untouched) under the same precision as `train`, and scales the
+    second, warm time by `batch_size` (the cost is linear in the sequences at these sizes,
+    and one sequence keeps the probe cheap). `make_objective(copy)` builds
+    the stage's objective for the copy.
     """
     trial = copy.deepcopy(model)
     objective = make_objective(trial)
     module = objective.prepare(trial)
-    micro = sequences[: max(1, config.batch_size // config.grad_accum)]
+    micro = sequences[:1]
     bf16 = _precision(config.precision) == "bf16"
     seconds = 0.0
     for _ in range(2):
@@ -179,7 +180,7 @@ def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config
         loss.backward()
         seconds = time.perf_counter() - start
     objective.finish(module)
-    return seconds * config.grad_accum
+    return seconds * config.batch_size
 
 
 def train(
