@@ -4,7 +4,7 @@ training), in one process.
 
 Writes docs/results/bench.json and docs/results/bench.png, and prints a markdown table.
 
-    python benchmarks/bench.py [--contexts 512,2048,8150] [--decode-steps 32] [--variants mamba:0.5,window:0.5]
+    python benchmarks/bench.py [--contexts 512,2048,8150] [--decode-steps 32] [--rounds 3] [--variants mamba:0.5,window:0.5]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048,8150")
     parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5", help="mixer:beta,...")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="ratios are medians over rounds, with their range")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
     args = parser.parse_args()
     work = Path(args.work)
@@ -38,12 +39,17 @@ def main() -> None:
         names[str(out)] = f"{mixer} beta {beta}"
     dirs = list(names)
     result = bench_command(dirs, parse_contexts(args.contexts), str(RESULTS / "bench.json"),
-                           decode_steps=args.decode_steps, plot=str(RESULTS / "bench.png"))
+                           decode_steps=args.decode_steps, plot=str(RESULTS / "bench.png"), rounds=args.rounds)
+
+    def spread(r: dict, key: str) -> str:
+        return f"{r[key]:.2f}" + (f" ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})" if key + "_min" in r else "")
+
+    print(f"ratios: median over {args.rounds} round(s) (range)")
     print("| model | baseline | context | cache ratio | decode speed-up | prefill time ratio | peak memory ratio |")
     print("|---|---|---|---|---|---|---|")
     for r in result["ratios"]:
         print(f"| {names.get(r['model'], r['model'])} | {r['baseline']} | {r['context']} | {r['cache_bytes_ratio']:.3f} | "
-              f"{r['decode_speedup']:.2f} | {r['prefill_time_ratio']:.2f} | {r['peak_memory_ratio']:.2f} |")
+              f"{spread(r, 'decode_speedup')} | {spread(r, 'prefill_time_ratio')} | {spread(r, 'peak_memory_ratio')} |")
     print(json.dumps(result["cache_budget"], indent=1))
 
 

@@ -2,7 +2,9 @@ import json
 
 import pytest
 
-from recurformer.bench import compare, max_context
+import torch
+
+from recurformer.bench import PeakMemory, compare, max_context, median_measurements
 from recurformer.cli import main
 from recurformer.surgery import convert
 from tiny_models import save_tiny_model, spec_for, tiny_model
@@ -24,6 +26,41 @@ def test_compare_measures_every_contender_and_ratio():
     ratio = next(r for r in result["ratios"] if r["baseline"] == "original" and r["context"] == 64)
     expected = rows[("half", 64)]["cache_bytes"] / rows[("original", 64)]["cache_bytes"]
     assert ratio["cache_bytes_ratio"] == pytest.approx(expected)
+
+
+def test_rounds_give_median_ratios_with_their_range():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    result = compare({"original": (model, "dynamic"), "half": (converted, "hybrid")}, ["original"], [16, 32],
+                     decode_steps=2, rounds=3)
+    assert result["rounds"] == 3 and len(result["measurements"]) == 12
+    for ratio in result["ratios"]:
+        speedups = [
+            next(m for m in result["measurements"] if m["model"] == "half" and m["round"] == i and m["context"] == ratio["context"])
+            ["decode_tokens_per_s"] / next(m for m in result["measurements"] if m["model"] == "original" and m["round"] == i
+                                           and m["context"] == ratio["context"])["decode_tokens_per_s"]
+            for i in range(3)
+        ]
+        assert ratio["decode_speedup"] == pytest.approx(sorted(speedups)[1])
+        assert (ratio["decode_speedup_min"], ratio["decode_speedup_max"]) == pytest.approx((min(speedups), max(speedups)))
+    medians = median_measurements(result)
+    assert len(medians) == 4 and all(row["rounds"] == 3 for row in medians)
+
+
+def test_peak_memory_counts_memory_an_earlier_measurement_left_resident():
+    chunk = 16 << 20  # below glibc's largest mmap threshold: freed chunks stay in the heap
+
+    def allocate():
+        return [torch.ones(chunk // 4) for _ in range(4)]
+
+    for _ in range(2):  # the first frees raise glibc's threshold; later chunks live in the heap
+        with PeakMemory() as first:
+            buffers = allocate()
+        del buffers
+    with PeakMemory() as second:
+        buffers = allocate()
+    del buffers
+    assert first.peak >= 3 * chunk and second.peak >= 3 * chunk
 
 
 def test_max_context_for_a_budget():

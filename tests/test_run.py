@@ -35,6 +35,7 @@ def texts(tmp_path):
         (dict(mixer="lstm"), ConfigError, "mixer kind: unknown 'lstm'"),
         (dict(scorer="loudest"), ConfigError, "loudest"),
         (dict(budget_minutes=0), ConfigError, "--budget-minutes must be > 0"),
+        (dict(steps=(0, 5)), ConfigError, "--steps must be two positive integers"),
         (dict(data=["nowhere.txt"]), DataError, "data file not found: nowhere.txt"),
         (dict(data=[]), ConfigError, "no training data"),
     ],
@@ -71,6 +72,23 @@ def test_a_directory_of_another_configuration_is_refused(texts, tmp_path):
     Run(RunConfig(data=train, eval_data=held_out, beta=0.75), tmp_path / "run").claim(force=True)
     saved = json.loads((tmp_path / "run" / "run.json").read_text())
     assert saved["config"]["beta"] == 0.75 and not (tmp_path / "run" / "stages").exists()
+
+
+def test_fixed_steps_replace_the_time_budget(texts, tmp_path):
+    train, held_out = texts
+    run = Run(RunConfig(data=train, eval_data=held_out, steps=(3, 7)), tmp_path / "run")
+    run.claim(force=False)
+    assert run_module._plan(run) == {"transfer_steps": 3, "lm_steps": 7}  # no timing probe, no model loaded
+    with pytest.raises(ConfigError, match=r"\(steps: \[3, 7\] there, \[3, 8\] here\)"):
+        Run(RunConfig(data=train, eval_data=held_out, steps=(3, 8)), tmp_path / "run").claim(force=False)
+
+
+def test_cli_steps_must_be_a_pair(texts, tmp_path, capsys):
+    train, held_out = texts
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--steps", "40", "--data", *train, "--eval-data", *held_out, "--out", str(tmp_path / "r")])
+    assert exit_info.value.code == 2 and "expected TRANSFER,LM step counts" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_foreign_non_empty_directory_is_refused(texts, tmp_path):

@@ -1,14 +1,20 @@
 """Inference cost against the original model: cache bytes, prefill time, decode speed, memory.
 
 For each context length the models are measured one after the other in the same process
-(original, converted, original, ...), on the same random prompt. Decode speed is the
-median over `decode_steps` single-token steps after `warmup` untimed steps. Cache bytes
-come from the cache objects themselves at exactly `context` tokens. Peak memory is the
-highest resident set size sampled during prefill and decode, above the level before it.
+(original, converted, original, ...), on the same random prompt; with `rounds` > 1 the
+whole sequence is repeated and each ratio is the median over rounds (with its range), every
+round's ratio taken between measurements of that round. Decode speed is the median over
+`decode_steps` single-token steps after `warmup` untimed steps. Cache bytes come from the
+cache objects themselves at exactly `context` tokens. Peak memory is the highest resident
+set size sampled during prefill and decode, above the level before it, after freed heap
+memory has been handed back to the OS (glibc), so that it counts what this measurement
+allocates rather than what an earlier one left resident.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import statistics
 import threading
@@ -25,6 +31,7 @@ from .cache import HybridCache
 @dataclass
 class Measurement:
     model: str
+    round: int
     context: int
     prefill_s: float
     decode_tokens_per_s: float
@@ -46,6 +53,8 @@ class PeakMemory:
         self._stop = threading.Event()
 
     def __enter__(self) -> "PeakMemory":
+        gc.collect()
+        release_freed_memory()
         self.start = self.process.memory_info().rss
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -60,6 +69,18 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.process.memory_info().rss - self.start)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's `malloc_trim`; a no-op elsewhere), so the
+    resident set size counts live memory: glibc keeps freed tensors' pages resident for reuse."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def cache_bytes(cache) -> tuple[int, int]:
@@ -86,7 +107,7 @@ def new_cache(model, kind: str, length: int):
 
 @torch.no_grad()
 def measure(
-    model, name: str, context: int, cache: str, decode_steps: int = 32, warmup: int = 4, seed: int = 0
+    model, name: str, context: int, cache: str, decode_steps: int = 32, warmup: int = 4, seed: int = 0, round: int = 0
 ) -> Measurement:
     """Prefill a random prompt of `context` tokens, then decode greedily."""
     vocab = model.config.get_text_config().vocab_size
@@ -107,7 +128,7 @@ def measure(
                 times.append(time.perf_counter() - start)
             token = out.logits[:, -1:].argmax(-1)
     del cache, out
-    return Measurement(name, context, prefill, 1.0 / statistics.median(times), kv, state, kv + state, memory.peak)
+    return Measurement(name, round, context, prefill, 1.0 / statistics.median(times), kv, state, kv + state, memory.peak)
 
 
 def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int) -> int:
@@ -120,39 +141,68 @@ def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int
 
 def compare(
     contenders: dict[str, tuple[torch.nn.Module, str]], baselines: list[str], contexts: list[int],
-    decode_steps: int = 32, budget_bytes: int = 1 << 30, progress=None,
+    decode_steps: int = 32, budget_bytes: int = 1 << 30, rounds: int = 1, progress=None,
 ) -> dict:
-    """Measure every `name -> (model, cache kind)` at every context, alternating, and the
-    ratios of every other contender to each of `baselines`."""
+    """Measure every `name -> (model, cache kind)` at every context, alternating, `rounds`
+    times, and the ratios of every other contender to each of `baselines` (median over rounds)."""
     for model, cache in contenders.values():  # untimed: first calls pay one-time start-up costs
         measure(model, "warm-up", min(contexts), cache, decode_steps=2, warmup=1)
     rows: list[Measurement] = []
-    for context in contexts:
-        for name, (model, cache) in contenders.items():
-            if progress:
-                progress(f"{name} @ {context}")
-            rows.append(measure(model, name, context, cache, decode_steps))
+    for round in range(rounds):
+        for context in contexts:
+            for name, (model, cache) in contenders.items():
+                if progress:
+                    progress(f"{name} @ {context}" + (f" (round {round + 1}/{rounds})" if rounds > 1 else ""))
+                rows.append(measure(model, name, context, cache, decode_steps, round=round))
     ratios = []
     for baseline in baselines:
         for context in contexts:
-            base = next(r for r in rows if r.model == baseline and r.context == context)
-            for row in rows:
-                if row.context != context or row.model in baselines:
+            for name in contenders:
+                if name in baselines:
                     continue
-                ratios.append({
-                    "model": row.model, "baseline": baseline, "context": context,
-                    "cache_bytes_ratio": row.cache_bytes / base.cache_bytes,
-                    "decode_speedup": row.decode_tokens_per_s / base.decode_tokens_per_s,
-                    "prefill_time_ratio": row.prefill_s / base.prefill_s,
-                    "peak_memory_ratio": row.peak_memory_bytes / max(base.peak_memory_bytes, 1),
-                })
+                ratios.append({"model": name, "baseline": baseline, "context": context,
+                               **_ratios_over_rounds(rows, name, baseline, context, rounds)})
     largest = max(contexts)
     budgets = [
         {"model": r.model, "budget_bytes": budget_bytes, "max_context": max_context(r.kv_bytes, r.state_bytes, r.context, budget_bytes)}
-        for r in rows if r.context == largest
+        for r in rows if r.context == largest and r.round == 0
     ]
     return {
-        "baselines": baselines, "contexts": contexts, "decode_steps": decode_steps,
+        "baselines": baselines, "contexts": contexts, "decode_steps": decode_steps, "rounds": rounds,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "measurements": [r.to_dict() for r in rows], "ratios": ratios, "cache_budget": budgets,
     }
+
+
+RATIOS = {  # ratio name -> the measurement field divided: contender / baseline
+    "cache_bytes_ratio": "cache_bytes",
+    "decode_speedup": "decode_tokens_per_s",
+    "prefill_time_ratio": "prefill_s",
+    "peak_memory_ratio": "peak_memory_bytes",
+}
+
+
+def _ratios_over_rounds(rows: list[Measurement], name: str, baseline: str, context: int, rounds: int) -> dict:
+    """Each ratio's median over rounds, and its range (`<ratio>_min`, `<ratio>_max`)."""
+    pick = {(r.model, r.round): r for r in rows if r.context == context}
+    out = {}
+    for key, field in RATIOS.items():
+        values = [getattr(pick[(name, i)], field) / max(getattr(pick[(baseline, i)], field), 1e-12) for i in range(rounds)]
+        out[key] = statistics.median(values)
+        if rounds > 1:
+            out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
+    return out
+
+
+def median_measurements(result: dict) -> list[dict]:
+    """One row per (model, context): each field's median over the rounds of `compare`'s result."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in result["measurements"]:
+        groups.setdefault((row["model"], row["context"]), []).append(row)
+    out = []
+    for (model, context), members in groups.items():
+        row = {"model": model, "context": context, "rounds": len(members)}
+        for field in ("prefill_s", "decode_tokens_per_s", "kv_bytes", "state_bytes", "cache_bytes", "peak_memory_bytes"):
+            row[field] = statistics.median(m[field] for m in members)
+        out.append(row)
+    return out

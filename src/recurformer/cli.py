@@ -27,6 +27,14 @@ def _floats(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
+def _step_pair(text: str) -> tuple[int, int]:
+    try:
+        transfer, lm = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TRANSFER,LM step counts such as 40,16, got {text!r}") from None
+    return transfer, lm
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from .pipeline import analyze_command
 
@@ -92,7 +100,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .pipeline import bench_command, parse_contexts
 
     result = bench_command(args.dirs, parse_contexts(args.context), args.out, baseline=args.baseline,
-                           decode_steps=args.decode_steps, budget_gib=args.budget_gib, plot=args.plot)
+                           decode_steps=args.decode_steps, budget_gib=args.budget_gib, plot=args.plot,
+                           rounds=args.rounds)
     for ratio in result["ratios"]:
         print(json.dumps(ratio))
     return 0
@@ -112,7 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     train_files, eval_files = default_corpora()
     config = RunConfig(model=args.model, data=args.data or train_files, eval_data=args.eval_data or eval_files,
                        beta=args.beta, mixer=args.mixer, scorer=args.scorer, budget_minutes=args.budget_minutes,
-                       quick=args.quick, seed=args.seed)
+                       steps=args.steps, quick=args.quick, seed=args.seed)
     metrics = run_pipeline(config, args.out, force=args.force)
     print(f"wrote {args.out}/report.md and {args.out}/metrics.json: perplexity {metrics['ppl_original']:.2f} -> "
           f"{metrics['ppl_final']:.2f}, cache {metrics['cache_ratio']:.3f}x and decode {metrics['decode_speedup']:.2f}x "
@@ -203,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", help="the original model (default: the one DIR was converted from)")
     p.add_argument("--context", default="512,2048,8192", help="comma-separated context lengths")
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (median reported)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every measurement; ratios are medians over rounds")
     p.add_argument("--budget-gib", type=_floats, default=1.0, help="cache budget for the max-context column")
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--plot", help="PNG to write")
@@ -224,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixer", default="mamba", help="mixer kind")
     p.add_argument("--scorer", default="recency", help="recency | inverse | random")
     p.add_argument("--budget-minutes", type=_floats, default=25.0, help="training time of both stages together")
+    p.add_argument("--steps", type=_step_pair, metavar="TRANSFER,LM",
+                   help="train exactly these optimizer steps instead of --budget-minutes (equal-token comparisons)")
     p.add_argument("--quick", action="store_true", help="tiny sizes everywhere: a smoke test, numbers not meaningful")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="run directory (re-running continues it)")

@@ -268,11 +268,13 @@ def parse_contexts(text: str) -> list[int]:
 
 def bench_command(
     directories: list[str], contexts: list[int], out: str, baseline: str | None = None, decode_steps: int = 32,
-    budget_gib: float = 1.0, plot: str | None = None,
+    budget_gib: float = 1.0, plot: str | None = None, rounds: int = 1,
 ) -> dict:
     """Cache, prefill, decode and memory of converted models against their original."""
     if decode_steps < 1:
         raise ConfigError(f"--decode-steps must be >= 1, got {decode_steps}")
+    if rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {rounds}")
     converted = {str(d): load_converted(d)[0].eval() for d in directories}
     first = next(iter(converted.values()))
     original = load_teacher(first, baseline)
@@ -282,7 +284,7 @@ def bench_command(
     contenders = {"original": (original.eval(), "dynamic"), "original+static-cache": (original, "static")}
     contenders.update({name: (model, "hybrid") for name, model in converted.items()})
     result = compare(contenders, ["original", "original+static-cache"], contexts, decode_steps,
-                     budget_bytes=int(budget_gib * (1 << 30)), progress=lambda m: print(f"bench: {m}", flush=True))
+                     budget_bytes=int(budget_gib * (1 << 30)), rounds=rounds, progress=lambda m: print(f"bench: {m}", flush=True))
     write_json_atomic(out, result)
     if plot:
         plot_bench(result, plot)

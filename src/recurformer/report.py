@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .bench import median_measurements  # noqa: E402
 from .config import ReplacementSpec  # noqa: E402
 from .files import temporary_sibling  # noqa: E402
 from .scoring import HeadScores  # noqa: E402
@@ -52,13 +53,13 @@ def plot_head_heatmap(scores: HeadScores, path: str | Path, spec: ReplacementSpe
 
 def plot_bench(result: dict, path: str | Path) -> None:
     """Two panels: cache bytes against context (log-log), decode tokens/s per context."""
-    rows = result["measurements"]
+    rows = median_measurements(result)
     names = list(dict.fromkeys(r["model"] for r in rows))
     contexts = result["contexts"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name in names:
         mine = [r for r in rows if r["model"] == name]
-        left.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=name)
+        left.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=Path(name).name)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("context (tokens)")
@@ -68,12 +69,12 @@ def plot_bench(result: dict, path: str | Path) -> None:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         speeds = [next(r["decode_tokens_per_s"] for r in rows if r["model"] == name and r["context"] == c) for c in contexts]
-        right.bar([j + i * width for j in range(len(contexts))], speeds, width, label=name)
+        right.bar([j + i * width for j in range(len(contexts))], speeds, width, label=Path(name).name)
     right.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts])
     right.set_xlabel("context (tokens)")
-    right.set_ylabel("decode tokens/s (median)")
+    right.set_ylabel("decode tokens/s (median)" + (f", median of {result['rounds']} rounds" if result.get("rounds", 1) > 1 else ""))
     right.set_title("decode speed, batch 1", fontsize=10)
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="lower left")
     save_figure(figure, path)
 
 

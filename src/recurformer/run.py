@@ -8,6 +8,7 @@ interrupted mid-way resumes from its last checkpoint):
 2. `analyze`   recency ratio of every head on the training text -> scores.json, heads.png
 3. `convert`   replace the top-beta KV groups -> converted/
 4. `plan`      measure one training step of each stage and turn the time budget into steps
+               (or take `steps` as given)
 5. `transfer`  train the mixers to reproduce the replaced heads -> transfer/
 6. `lm`        end-to-end next-token training with distillation -> final/
 7. `evaluate`  perplexity on held-out text, HashHop and MQAR, original vs converted
@@ -17,7 +18,8 @@ interrupted mid-way resumes from its last checkpoint):
 [ours] The time budget (`budget_minutes`) is the training time. The `plan` stage times one
 optimizer step of each training stage on a copy of the model and fixes the step counts
 (35% of the budget for `transfer`, 65% for `lm`), so a re-run trains exactly the same
-steps whatever the machine's load is then. `run.json` records the configuration; a
+steps whatever the machine's load is then; `steps` fixes them instead (to compare runs at
+equal tokens). `run.json` records the configuration; a
 directory made by another configuration is refused before any work starts.
 """
 
@@ -66,6 +68,7 @@ class RunConfig:
     mixer: str = "mamba"
     scorer: str = "recency"
     budget_minutes: float = 25.0
+    steps: tuple[int, int] | None = None  # (transfer, lm): train exactly these, instead of the budget
     quick: bool = False
     seed: int = 0
 
@@ -84,6 +87,10 @@ class RunConfig:
         MixerConfig(kind=self.mixer)
         make_scorer(self.scorer, self.seed)
         _require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        if self.steps is not None:
+            _require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
+                     f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")
+            self.steps = tuple(self.steps)
         for path in [*self.data, *self.eval_data]:
             if not Path(path).is_file():
                 raise DataError(f"data file not found: {path}")
@@ -92,6 +99,7 @@ class RunConfig:
         data = asdict(self)
         data["data"] = [str(Path(p).resolve()) for p in self.data]
         data["eval_data"] = [str(Path(p).resolve()) for p in self.eval_data]
+        data["steps"] = None if self.steps is None else list(self.steps)
         return data
 
 
@@ -205,6 +213,8 @@ def _train_config(run: Run, stage: str, steps: int):
 
 
 def _plan(run: Run) -> dict:
+    if run.config.steps is not None:
+        return {"transfer_steps": run.config.steps[0], "lm_steps": run.config.steps[1]}
     if run.sizes.fixed_steps is not None:
         return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
     from .data import token_sequences

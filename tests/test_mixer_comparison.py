@@ -1,0 +1,63 @@
+"""`benchmarks/mixers.py`: the table is built only from finished runs trained alike."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "mixers.py"
+
+
+@pytest.fixture(scope="module")
+def mixers():
+    spec = importlib.util.spec_from_file_location("mixers_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_run(root: Path, folder: str, ppl_final: float, **changes) -> str:
+    metrics = {
+        "model": "smollm2-135m", "beta": 0.5, "scorer": "recency", "seed": 0, "quick": False, "mixer": folder,
+        "replaced_groups": 45, "transfer_steps": 40, "transfer_tokens": 163840, "lm_steps": 16, "lm_tokens": 65536,
+        "transfer_minutes": 8.0, "lm_minutes": 16.0, "ppl_tokens": 16368, "ppl_original": 22.96,
+        "ppl_converted": 4000.0, "ppl_transfer": 150.0, "ppl_final": ppl_final, "ppl_ratio": ppl_final / 22.96,
+        "hashhop_original": 0.12, "hashhop_final": 0.0, "mqar_original": 0.15, "mqar_final": 0.01,
+        "params_original": 100, "params_converted": 105, "cache_bytes_final": 1000, "cache_ratio": 0.5,
+        "decode_speedup": 1.5, "decode_speedup_vs_static_cache": 1.0, "prefill_time_ratio": 0.9,
+        "bench_context": 4096, "bench_threads": 1, **changes,
+    }
+    directory = root / folder
+    directory.mkdir()
+    (directory / "metrics.json").write_text(json.dumps(metrics))
+    return str(directory)
+
+
+def test_table_of_comparable_runs(mixers, tmp_path):
+    runs = [fake_run(tmp_path, "mamba", 65.5), fake_run(tmp_path, "window", 40.25)]
+    assert mixers.main([*runs, "--out", str(tmp_path / "table")]) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [r["mixer"] for r in table["runs"]] == ["mamba", "window"]
+    assert table["runs"][0]["transfer_s_per_step"] == pytest.approx(12.0)
+    assert table["runs"][1]["lm_s_per_step"] == pytest.approx(60.0)
+    text = (tmp_path / "table.md").read_text()
+    assert "| `window` | 1.050x |" in text and "Lowest final perplexity at this budget: `window` (40.25)" in text
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(lm_steps=17), "lm_steps is 17 there and 16 here"),
+    (dict(beta=0.75), "beta is 0.75 there and 0.5 here"),
+    (dict(mixer="mamba"), "each run must use another mixer"),
+])
+def test_runs_trained_differently_are_refused(mixers, tmp_path, change, message):
+    runs = [fake_run(tmp_path, "mamba", 65.5), fake_run(tmp_path, "window", 40.25, **change)]
+    with pytest.raises(SystemExit, match=message):
+        mixers.main([*runs, "--out", str(tmp_path / "table")])
+    assert not (tmp_path / "table.md").exists()
+
+
+def test_an_unfinished_run_is_refused(mixers, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="has no metrics.json"):
+        mixers.main([str(tmp_path / "empty")])
