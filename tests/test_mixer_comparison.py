@@ -48,13 +48,20 @@ def test_table_of_comparable_runs(mixers, tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(lm_steps=17), "lm_steps is 17 there and 16 here"),
     (dict(beta=0.75), "beta is 0.75 there and 0.5 here"),
-    (dict(mixer="mamba"), "each run must use another mixer"),
+    (dict(mixer="mamba"), "each run must differ in mixer or learning rates"),
 ])
 def test_runs_trained_differently_are_refused(mixers, tmp_path, change, message):
     runs = [fake_run(tmp_path, "mamba", 65.5), fake_run(tmp_path, "window", 40.25, **change)]
     with pytest.raises(SystemExit, match=message):
         mixers.main([*runs, "--out", str(tmp_path / "table")])
     assert not (tmp_path / "table.md").exists()
+
+
+def test_same_mixer_with_other_learning_rates_is_its_own_row(mixers, tmp_path):
+    runs = [fake_run(tmp_path, "mamba2", 5631.0), fake_run(tmp_path, "mamba2-slow", 80.0, mixer="mamba2", lm_lr=2e-4)]
+    assert mixers.main([*runs, "--out", str(tmp_path / "table")]) == 0
+    text = (tmp_path / "table.md").read_text()
+    assert "| `mamba2` |" in text and "| `mamba2 (lr 0.005, 0.0002)` |" in text
 
 
 def test_an_unfinished_run_is_refused(mixers, tmp_path):

@@ -36,6 +36,7 @@ def texts(tmp_path):
         (dict(scorer="loudest"), ConfigError, "loudest"),
         (dict(budget_minutes=0), ConfigError, "--budget-minutes must be > 0"),
         (dict(steps=(0, 5)), ConfigError, "--steps must be two positive integers"),
+        (dict(lr=(5e-3, 0.0)), ConfigError, "--lr must be two learning rates"),
         (dict(data=["nowhere.txt"]), DataError, "data file not found: nowhere.txt"),
         (dict(data=[]), ConfigError, "no training data"),
     ],
@@ -81,6 +82,15 @@ def test_fixed_steps_replace_the_time_budget(texts, tmp_path):
     assert run_module._plan(run) == {"transfer_steps": 3, "lm_steps": 7}  # no timing probe, no model loaded
     with pytest.raises(ConfigError, match=r"\(steps: \[3, 7\] there, \[3, 8\] here\)"):
         Run(RunConfig(data=train, eval_data=held_out, steps=(3, 8)), tmp_path / "run").claim(force=False)
+
+
+def test_learning_rates_reach_the_training_stages(texts, tmp_path):
+    train, held_out = texts
+    default = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
+    chosen = Run(RunConfig(data=train, eval_data=held_out, lr=(2e-3, 2e-4)), tmp_path / "b")
+    assert [run_module._train_config(default, stage, 1).lr for stage in ("transfer", "lm")] == list(run_module.DEFAULT_LR)
+    assert [run_module._train_config(chosen, stage, 1).lr for stage in ("transfer", "lm")] == [2e-3, 2e-4]
+    assert run_module._train_config(chosen, "lm", 1).trainable == "mixers+lora"
 
 
 def test_cli_steps_must_be_a_pair(texts, tmp_path, capsys):

@@ -35,6 +35,14 @@ def _step_pair(text: str) -> tuple[int, int]:
     return transfer, lm
 
 
+def _lr_pair(text: str) -> tuple[float, float]:
+    try:
+        transfer, lm = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TRANSFER,LM learning rates such as 5e-3,1e-3, got {text!r}") from None
+    return transfer, lm
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from .pipeline import analyze_command
 
@@ -121,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     train_files, eval_files = default_corpora()
     config = RunConfig(model=args.model, data=args.data or train_files, eval_data=args.eval_data or eval_files,
                        beta=args.beta, mixer=args.mixer, scorer=args.scorer, budget_minutes=args.budget_minutes,
-                       steps=args.steps, quick=args.quick, seed=args.seed)
+                       steps=args.steps, lr=args.lr, quick=args.quick, seed=args.seed)
     metrics = run_pipeline(config, args.out, force=args.force)
     print(f"wrote {args.out}/report.md and {args.out}/metrics.json: perplexity {metrics['ppl_original']:.2f} -> "
           f"{metrics['ppl_final']:.2f}, cache {metrics['cache_ratio']:.3f}x and decode {metrics['decode_speedup']:.2f}x "
@@ -236,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-minutes", type=_floats, default=25.0, help="training time of both stages together")
     p.add_argument("--steps", type=_step_pair, metavar="TRANSFER,LM",
                    help="train exactly these optimizer steps instead of --budget-minutes (equal-token comparisons)")
+    p.add_argument("--lr", type=_lr_pair, metavar="TRANSFER,LM", help="learning rates of the two stages (default 5e-3,1e-3)")
     p.add_argument("--quick", action="store_true", help="tiny sizes everywhere: a smoke test, numbers not meaningful")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="run directory (re-running continues it)")

@@ -40,6 +40,9 @@ from .files import write_json_atomic, write_text_atomic
 
 RUN_SCHEMA = "recurformer-run/1"
 TRANSFER_SHARE = 0.35
+# The recipe of docs/results/recovery.md: the layer-local transfer stage takes a 5x higher
+# learning rate than the end-to-end lm stage.
+DEFAULT_LR = (5e-3, 1e-3)
 TRAIN_CORPORA = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
 EVAL_CORPORA = ("wikitext-2-raw-test.txt",)
 
@@ -69,6 +72,7 @@ class RunConfig:
     scorer: str = "recency"
     budget_minutes: float = 25.0
     steps: tuple[int, int] | None = None  # (transfer, lm): train exactly these, instead of the budget
+    lr: tuple[float, float] | None = None  # (transfer, lm) learning rates; None: the recipe's DEFAULT_LR
     quick: bool = False
     seed: int = 0
 
@@ -91,6 +95,10 @@ class RunConfig:
             _require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
                      f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")
             self.steps = tuple(self.steps)
+        if self.lr is not None:
+            _require(len(self.lr) == 2 and all(0 < x < 1 for x in self.lr),
+                     f"--lr must be two learning rates in (0, 1) TRANSFER,LM, got {self.lr}")
+            self.lr = tuple(self.lr)
         for path in [*self.data, *self.eval_data]:
             if not Path(path).is_file():
                 raise DataError(f"data file not found: {path}")
@@ -100,6 +108,7 @@ class RunConfig:
         data["data"] = [str(Path(p).resolve()) for p in self.data]
         data["eval_data"] = [str(Path(p).resolve()) for p in self.eval_data]
         data["steps"] = None if self.steps is None else list(self.steps)
+        data["lr"] = None if self.lr is None else list(self.lr)
         return data
 
 
@@ -205,11 +214,10 @@ def _convert(run: Run) -> dict:
 def _train_config(run: Run, stage: str, steps: int):
     from .train import TrainConfig
 
-    # The recipe of docs/results/recovery.md: the layer-local transfer stage takes a 5x higher
-    # learning rate than the end-to-end lm stage.
-    extra = dict(trainable="mixers+lora", distill_weight=1.0, lr=1e-3) if stage == "lm" else dict(lr=5e-3)
+    lr = dict(zip(("transfer", "lm"), run.config.lr or DEFAULT_LR))[stage]
+    extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
     return TrainConfig(stage=stage, steps=steps, seq_len=run.sizes.train_seq_len, batch_size=run.sizes.train_batch,
-                       checkpoint_every=5, seed=run.config.seed, **extra)
+                       checkpoint_every=5, seed=run.config.seed, lr=lr, **extra)
 
 
 def _plan(run: Run) -> dict:
@@ -312,9 +320,9 @@ def collect_metrics(run: Run) -> dict[str, Any]:
         "params_original": converted["original_total"], "params_converted": converted["converted_total"],
         "analyze_tokens": records["analyze"]["tokens"], "rr_median": records["analyze"]["median"],
     }
-    for stage in ("transfer", "lm"):
+    for stage, lr in zip(("transfer", "lm"), config.lr or DEFAULT_LR):
         summary = records[stage]
-        metrics.update({f"{stage}_steps": summary["steps"], f"{stage}_tokens": summary["tokens"],
+        metrics.update({f"{stage}_steps": summary["steps"], f"{stage}_tokens": summary["tokens"], f"{stage}_lr": lr,
                         f"{stage}_minutes": round(summary["elapsed_s"] / 60, 2), f"{stage}_final_loss": summary["final_loss"]})
     for name in ("original", "converted", "transfer", "final"):
         metrics[f"ppl_{name}"] = evaluation[f"ppl_{name}"]["ppl"]
