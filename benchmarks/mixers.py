@@ -62,6 +62,10 @@ def row(run: dict) -> dict:
     }
 
 
+def perplexity(value: float) -> str:
+    return f"{value:.2f}" if value < 100 else f"{value:,.0f}"
+
+
 def render(runs: list[dict], rows: list[dict]) -> str:
     first = runs[0]
     lines = [
@@ -77,15 +81,15 @@ def render(runs: list[dict], rows: list[dict]) -> str:
         "compare speeds with docs/results/bench.md, measured in one quiet process).",
         "",
         "| mixer | params vs original | ppl untrained | ppl after transfer | ppl final | final / original | "
-        "HashHop 1-hop | MQAR | cache bytes | cache ratio | decode speed-up | prefill time ratio | "
+        "HashHop 1-hop | MQAR | cache MiB | cache ratio | decode speed-up | prefill time ratio | "
         "transfer s/step | lm s/step | threads |",
         "|" + "---|" * 15,
     ]
     for r in rows:
         lines.append(
-            f"| `{r['variant']}` | {r['params_ratio']:.3f}x | {r['ppl_converted']:.0f} | {r['ppl_transfer']:.1f} | "
-            f"{r['ppl_final']:.2f} | {r['ppl_ratio']:.2f}x | {r['hashhop_original']:.2f} -> {r['hashhop_final']:.2f} | "
-            f"{r['mqar_original']:.2f} -> {r['mqar_final']:.2f} | {r['cache_bytes_final']:,} | {r['cache_ratio']:.3f} | "
+            f"| `{r['variant']}` | {r['params_ratio']:.3f}x | {perplexity(r['ppl_converted'])} | {perplexity(r['ppl_transfer'])} | "
+            f"{perplexity(r['ppl_final'])} | {r['ppl_ratio']:.2f}x | {r['hashhop_original']:.2f} -> {r['hashhop_final']:.2f} | "
+            f"{r['mqar_original']:.2f} -> {r['mqar_final']:.2f} | {r['cache_bytes_final'] / 2**20:.1f} | {r['cache_ratio']:.3f} | "
             f"{r['decode_speedup']:.2f}x | {r['prefill_time_ratio']:.2f} | {r['transfer_s_per_step']:.1f} | "
             f"{r['lm_s_per_step']:.1f} | {r['bench_threads']} |")
     best = min(rows, key=lambda r: r["ppl_final"])
