@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test smoke test-all demo bench clean
 
 install: $(STAMP)
 
@@ -21,13 +21,20 @@ $(STAMP): pyproject.toml
 test: install
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
+# The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.
+smoke: install
+	$(BIN)/python -m pytest -q -m smoke
+
 # Everything, including tests that fetch and use the real SmolLM2-135M model.
 test-all: install
 	$(BIN)/python -m pytest -q
 
 # The main job on the default model and the shared corpora.
+# Override the corpora folder with DATA=..., add flags with ARGS="--beta 0.75 ...".
+DATA ?= ../shared/data
+ARGS ?=
 demo: install
-	$(BIN)/recurformer run --model smollm2-135m --out runs/demo
+	RECURFORMER_DATA=$(DATA) $(BIN)/recurformer run --model smollm2-135m --out runs/demo $(ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/scan.py

@@ -113,3 +113,44 @@ def test_no_traceback_from_the_installed_command(workspace):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "scores file not found" in result.stderr
+
+
+def scores_file(ws, capsys):
+    if not (ws / "scores.json").exists():
+        assert run(capsys, *analyze_args(ws, "scores.json"))[0] == 0
+    return ws / "scores.json"
+
+
+@pytest.mark.parametrize("mixer, flags, expected", [
+    ("mamba2", [], {"kind": "mamba2"}),
+    ("window", ["--window", 8, "--sinks", 1], {"kind": "window", "window": 8, "sinks": 1}),
+])
+def test_convert_and_train_with_another_mixer(workspace, capsys, mixer, flags, expected):
+    ws = workspace
+    converted, trained = ws / f"converted-{mixer}", ws / f"trained-{mixer}"
+    code, err = run(capsys, "convert", ws / "model", "--scores", scores_file(ws, capsys), "--beta", 0.5,
+                    "--mixer", mixer, *flags, "--out", converted)
+    assert code == 0, err
+    saved = json.loads((converted / "config.json").read_text())["mixer"]
+    assert {k: saved[k] for k in expected} == expected
+    code, err = run(capsys, "train", converted, "--data", ws / "text.txt", "--stage", "transfer", "--steps", 2,
+                    "--seq-len", 32, "--batch-size", 2, "--out", trained)
+    assert code == 0, err
+    model = AutoModelForCausalLM.from_pretrained(trained)
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--mixer", "rwkv"], "mixer kind: unknown 'rwkv'"),
+    (["--mixer", "window", "--window", 0], "window must be a positive integer, got 0"),
+    (["--mixer", "window", "--sinks", -2], "sinks must be a non-negative integer, got -2"),
+    (["--window", 8], "--window applies to --mixer window, not --mixer mamba"),
+    (["--mixer", "mamba2", "--sinks", 2], "--sinks applies to --mixer window, not --mixer mamba2"),
+])
+def test_convert_refuses_bad_mixer_flags(workspace, capsys, flags, fragment):
+    target = workspace / "never-mixer"
+    code, err = run(capsys, "convert", workspace / "model", "--scores", scores_file(workspace, capsys), "--beta", 0.5,
+                    *flags, "--out", target)
+    one_line_error(code, err, fragment)
+    assert not target.exists()

@@ -10,7 +10,7 @@ from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.modeling import UnsupportedArchitectureError
 from recurformer.surgery import convert, parameter_report
 
-from tiny_models import spec_for, tiny_model
+from tiny_models import MIXERS, spec_for, tiny_model
 
 
 def logits(model, ids, **kwargs):
@@ -26,11 +26,28 @@ def test_converting_zero_groups_reproduces_the_original(arch, attn):
     assert (logits(converted, ids) - logits(model, ids)).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("beta", [0.25, 0.5, 1.0])
-@pytest.mark.parametrize("prompt", [1, 63, 300])
-def test_forward_equals_prefill_then_decode(arch, beta, prompt):
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_a_window_longer_than_the_sequence_reproduces_the_original(arch, attn, beta):
+    """The window mixer is the replaced heads themselves, restricted to a window: with the
+    window (and sinks) covering the whole sequence nothing changes."""
+    model = tiny_model(arch, attn)
+    converted = convert(model, spec_for(model, beta), MixerConfig(kind="window", window=64, sinks=3))
+    ids = torch.randint(0, 97, (2, 64))
+    assert (logits(converted, ids) - logits(model, ids)).abs().max() <= 1e-5
+
+
+# Every (beta, prompt) pair for mamba; for the other mixers every beta and every prompt
+# length once, to keep the suite fast.
+DECODE_CASES = [("mamba", beta, prompt) for beta in (0.25, 0.5, 1.0) for prompt in (1, 63, 300)] + [
+    (mixer, beta, prompt) for mixer in ("mamba2", "window") for beta, prompt in ((0.25, 63), (0.5, 1), (0.5, 300), (1.0, 63))
+]
+
+
+@pytest.mark.parametrize("mixer, beta, prompt", DECODE_CASES)
+def test_forward_equals_prefill_then_decode(arch, mixer, beta, prompt):
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, beta), init="random")
+    converted = convert(model, spec_for(model, beta), MIXERS[mixer], init="random")
     ids = torch.randint(0, 97, (2, prompt + 20))
     full = logits(converted, ids)
     with torch.no_grad():
@@ -42,10 +59,11 @@ def test_forward_equals_prefill_then_decode(arch, beta, prompt):
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_left_padded_batch_equals_each_prompt_alone(arch, attn):
+def test_left_padded_batch_equals_each_prompt_alone(arch, attn, mixer):
     model = tiny_model(arch, attn)
-    converted = convert(model, spec_for(model, 0.5), init="random")
+    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
     prompts = [torch.randint(1, 97, (n,)) for n in (23, 9, 1)]
     width, decode = max(len(p) for p in prompts), 6
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -68,9 +86,10 @@ def test_left_padded_batch_equals_each_prompt_alone(arch, attn):
             assert (batched[i] - alone[0]).abs().max() <= 1e-4, f"row {i}"
 
 
-def test_generate_equals_manual_greedy_loop(arch):
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_generate_equals_manual_greedy_loop(arch, mixer):
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, 0.5), init="random")
+    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
     ids = torch.randint(1, 97, (1, 12))
     out = converted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False, pad_token_id=0)
     manual = ids
@@ -96,13 +115,22 @@ def test_generate_batched_left_padding_and_sampling():
     assert sampled.shape == (2, 18)
 
 
-def test_save_and_load_round_trip(arch, tmp_path):
+SAVED_MIXERS = {
+    "mamba": MixerConfig(d_state=4, expand=2.0),
+    "mamba2": MixerConfig(kind="mamba2", ssd_state=6, ssd_chunk=8, ssd_norm=False),
+    "window": MixerConfig(kind="window", window=7, sinks=1),
+}
+
+
+@pytest.mark.parametrize("mixer", sorted(SAVED_MIXERS))
+def test_save_and_load_round_trip(arch, mixer, tmp_path):
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, 0.5), MixerConfig(d_state=4, expand=2.0))
+    converted = convert(model, spec_for(model, 0.5), SAVED_MIXERS[mixer])
     converted.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(converted)
     assert loaded.spec == converted.spec
+    assert loaded.config.mixer_config() == SAVED_MIXERS[mixer]
     ids = torch.randint(0, 97, (2, 30))
     assert torch.equal(logits(loaded, ids), logits(converted, ids))
 
@@ -126,11 +154,29 @@ def test_loading_a_bad_spec_fails_clearly(tmp_path, edit, message):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("beta", [0.25, 0.5, 1.0])
-def test_cache_bytes(arch, beta):
+def test_a_model_saved_before_the_new_mixers_loads(tmp_path):
+    """Configs saved with only the Mamba fields get the new fields' defaults."""
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MixerConfig(d_state=4))
+    converted.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    old_fields = {"kind", "d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor", "conv_bias", "proj_bias", "scan_backend"}
+    config["mixer"] = {k: v for k, v in config["mixer"].items() if k in old_fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.mixer_config() == MixerConfig(d_state=4)
+    ids = torch.randint(0, 97, (1, 20))
+    assert torch.equal(logits(loaded, ids), logits(converted, ids))
+
+
+CACHE_CASES = [("mamba", beta) for beta in (0.25, 0.5, 1.0)] + [("mamba2", 0.5), ("window", 0.5), ("window", 1.0)]
+
+
+@pytest.mark.parametrize("mixer, beta", CACHE_CASES)
+def test_cache_bytes(arch, mixer, beta):
     model = tiny_model(arch)
     spec = spec_for(model, beta)
-    converted = convert(model, spec, init="random")
+    converted = convert(model, spec, MIXERS[mixer], init="random")
     state_bytes = set()
     for length in (40, 200):
         ids = torch.randint(0, 97, (2, length))
@@ -142,6 +188,11 @@ def test_cache_bytes(arch, beta):
         assert hybrid.nbytes()["kv"] == kept * original_kv
         state_bytes.add(hybrid.nbytes()["mixer_state"])
     assert len(state_bytes) == 1
+    if mixer == "window":  # per layer: keys and values of (sinks + window) tokens, and their positions
+        slots = MIXERS["window"].window + MIXERS["window"].sinks
+        head_dim = converted.hybrid_attentions()[0].head_dim
+        replaced = [len(spec.replaced_heads(l)) for l in range(spec.num_layers)]
+        assert state_bytes == {sum(2 * (2 * slots * g * head_dim * 4 + slots * 8) for g in replaced if g)}
     assert (state_bytes.pop() > 0) == (beta > 0)
 
 
@@ -221,11 +272,12 @@ def test_importing_the_package_alone_registers_the_auto_classes(tmp_path):
     assert result.stdout.strip() == "RecurFormerForCausalLM", result.stderr[-500:]
 
 
-def test_beam_search_with_the_cache_equals_without(arch):
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_beam_search_with_the_cache_equals_without(arch, mixer):
     """Beam search reorders the cache (K/V buffers and mixer states); recomputing every step
     without a cache must give the same beams."""
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, 0.5), init="random")
+    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
     ids = torch.randint(1, 97, (2, 7))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     assert torch.equal(converted.generate(ids, use_cache=True, **kwargs), converted.generate(ids, use_cache=False, **kwargs))
@@ -240,3 +292,13 @@ def test_kv_buffers_grow_by_blocks():
     per_token = sizes["kv"] / 300
     assert sizes["kv_reserved"] == per_token * 512  # 300 tokens -> two blocks of 256
     assert sizes["total"] == sizes["kv"] + sizes["mixer_state"]
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_crop_is_refused_once_a_mixer_state_exists(mixer):
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
+    with torch.no_grad():
+        cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        cache.crop(5)

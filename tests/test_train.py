@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from recurformer.config import ConfigError
+from recurformer.config import ConfigError, MixerConfig
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TrainingDiverged, TransferObjective, train
-from tiny_models import spec_for, tiny_model
+from tiny_models import MIXERS, spec_for, tiny_model
 
 SEQ = 32
 
 
-def setup(init="random", beta=0.5, arch="llama"):
+def setup(init="random", beta=0.5, arch="llama", mixer=None):
     teacher = tiny_model(arch)
-    student = convert(teacher, spec_for(teacher, beta), init=init)
+    student = convert(teacher, spec_for(teacher, beta), mixer, init=init)
     sequences = torch.randint(0, 97, (16, SEQ), generator=torch.Generator().manual_seed(0))
     return teacher, student, sequences
 
@@ -28,12 +28,22 @@ def log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_transfer_mse_falls_tenfold_on_a_fixed_batch(tmp_path):
-    teacher, student, sequences = setup()
-    config = TrainConfig(stage="transfer", steps=120, seq_len=SEQ, batch_size=4, lr=1e-2, warmup=0.0)
+@pytest.mark.parametrize("mixer, steps", [("mamba", 120), ("mamba2", 40), ("window", 40)])
+def test_transfer_mse_falls_tenfold_on_a_fixed_batch(tmp_path, mixer, steps):
+    teacher, student, sequences = setup(mixer=MIXERS[mixer])
+    config = TrainConfig(stage="transfer", steps=steps, seq_len=SEQ, batch_size=4, lr=1e-2, warmup=0.0)
     train(student, TransferObjective(teacher, student), sequences[:4], config, tmp_path, progress=False)
     losses = [r["loss"] for r in log(tmp_path)]
     assert losses[-1] * 10 <= losses[0], (losses[0], losses[-1])
+
+
+def test_transfer_target_is_exactly_a_reused_window_covering_the_sequence(tmp_path):
+    """With reused weights and a window covering the sequence, the window mixer is the
+    replaced heads: the transfer loss is zero only if it gets the teacher's positions."""
+    teacher, student, sequences = setup(init="reuse", arch="qwen2", mixer=MixerConfig(kind="window", window=SEQ, sinks=0))
+    objective = TransferObjective(teacher, student)
+    loss, metrics = objective.loss(objective.prepare(student), sequences[:2])
+    assert metrics["relative_mse"] < 1e-10
 
 
 def changed_parameters(model, before):
@@ -184,7 +194,7 @@ def test_tokens_budget_sets_the_steps():
 DDP_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from tiny_models import spec_for, tiny_model
+from tiny_models import MIXERS, spec_for, tiny_model
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, train
 teacher = tiny_model("llama")

@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from recurformer.config import ReplacementSpec
+from recurformer.config import MixerConfig, ReplacementSpec
 
 COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
 
@@ -23,6 +23,15 @@ ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=6, num_key_value_heads=2, head_dim=8)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=None)),
+}
+
+
+# One small config per mixer kind; the window is shorter than most test sequences, so its
+# ring buffer wraps.
+MIXERS = {
+    "mamba": MixerConfig(),
+    "mamba2": MixerConfig(kind="mamba2", ssd_chunk=16),
+    "window": MixerConfig(kind="window", window=16, sinks=2),
 }
 
 

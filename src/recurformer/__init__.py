@@ -1,4 +1,4 @@
-"""recurformer: replace recency-aware attention heads with Mamba blocks.
+"""recurformer: replace recency-aware attention heads with recurrent (or windowed) mixers.
 
 Importing the package registers the `recurformer` model type with transformers' Auto
 classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads a converted model.
@@ -7,9 +7,10 @@ classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads a converted model.
 from .cache import HybridCache
 from .config import ConfigError, MixerConfig, ReplacementSpec
 from .hub import resolve_model
-from .mixers import MambaMixer, Mixer, build_mixer
+from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, build_mixer
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM
 from .ops.selective_scan import selective_scan
+from .ops.ssd import ssd
 from .scoring import HeadScores, analyze, make_scorer, select_heads
 from .surgery import convert, parameter_report
 
@@ -18,13 +19,16 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "HeadScores",
+    "HeadShape",
     "HybridCache",
+    "Mamba2Mixer",
     "MambaMixer",
     "Mixer",
     "MixerConfig",
     "RecurFormerConfig",
     "RecurFormerForCausalLM",
     "ReplacementSpec",
+    "WindowMixer",
     "analyze",
     "build_mixer",
     "convert",
@@ -33,5 +37,6 @@ __all__ = [
     "resolve_model",
     "select_heads",
     "selective_scan",
+    "ssd",
     "__version__",
 ]

@@ -2,8 +2,9 @@
 
 [ours] Layout. In each layer the KV groups are split into kept and replaced ones. The kept
 heads' q/k/v rows are physically sliced (replaced heads cost no compute and no cache). The
-mixer reads the same normalized hidden states as attention and emits the replaced query
-heads' channels. `o_proj` is the original projection with its input columns reordered as
+mixer reads the same normalized hidden states (and rotary position embeddings) as
+attention and emits the replaced query heads' channels; which mixer it is, the layer does
+not know. `o_proj` is the original projection with its input columns reordered as
 `[kept query heads..., replaced query heads...]` (same function, no gather at run time), so
 the output is `o_proj(cat(attention_of_kept_heads, mixer_output))`.
 """
@@ -16,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from .config import MixerConfig
-from .mixers import build_mixer
+from .mixers import HeadShape, build_mixer
 
 
 class HybridAttention(nn.Module):
@@ -59,7 +60,10 @@ class HybridAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, kept_q * self.head_dim, bias=qkv_bias)
             self.k_proj = nn.Linear(hidden, len(self.kept_kv_heads) * self.head_dim, bias=qkv_bias)
             self.v_proj = nn.Linear(hidden, len(self.kept_kv_heads) * self.head_dim, bias=qkv_bias)
-        self.mixer = build_mixer(hidden, replaced_q * self.head_dim, mixer_config) if replaced_q else None
+        self.mixer = None
+        if replaced_q:
+            heads = HeadShape(replaced_q, len(self.replaced_kv_heads), self.head_dim, qkv_bias)
+            self.mixer = build_mixer(hidden, heads, mixer_config)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)
 
     @property
@@ -106,16 +110,16 @@ class HybridAttention(nn.Module):
             empty = hidden_states.new_empty(batch, 0, length, self.head_dim)
             past_key_values.update(empty, empty, self.layer_idx)
         if self.mixer is not None:
-            parts.append(self._mix(hidden_states, past_key_values, padding_mask))
+            parts.append(self._mix(hidden_states, past_key_values, padding_mask, position_embeddings))
         return self.o_proj(torch.cat(parts, dim=-1)), weights
 
-    def _mix(self, hidden_states: Tensor, past_key_values, padding_mask: Tensor | None) -> Tensor:
+    def _mix(self, hidden_states: Tensor, past_key_values, padding_mask: Tensor | None, position_embeddings) -> Tensor:
         batch, length = hidden_states.shape[:2]
         mask = None if padding_mask is None else padding_mask[:, -length:]
         if mask is not None and bool(mask.all()):
             mask = None
         if past_key_values is None:
-            return self.mixer(hidden_states, None, mask)
+            return self.mixer(hidden_states, None, mask, position_embeddings)
         if not hasattr(past_key_values, "mixer_state"):
             raise TypeError(
                 f"a RecurFormer model needs a HybridCache, got {type(past_key_values).__name__}; "
@@ -123,5 +127,5 @@ class HybridAttention(nn.Module):
             )
         state = past_key_values.mixer_state(self.layer_idx, self.mixer, batch, hidden_states.dtype, hidden_states.device)
         if length == 1 and mask is None:
-            return self.mixer.step(hidden_states[:, 0], state)[:, None]
-        return self.mixer(hidden_states, state, mask)
+            return self.mixer.step(hidden_states[:, 0], state, position_embeddings)[:, None]
+        return self.mixer(hidden_states, state, mask, position_embeddings)

@@ -20,10 +20,6 @@ from .train import TrainingDiverged
 USER_ERRORS = (ConfigError, DataError, ModelResolutionError, UnsupportedArchitectureError, SurgeryError, TrainingDiverged)
 
 
-class UsageError(Exception):
-    """A command that exists in the contract but is not built yet."""
-
-
 def _floats(text: str) -> float:
     try:
         return float(text)
@@ -49,7 +45,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     summary = convert_command(
         args.model, args.scores, args.beta, args.out, mixer=args.mixer, scorer=args.scorer,
-        init=args.init, seed=args.seed, force=args.force,
+        init=args.init, seed=args.seed, force=args.force, window=args.window, sinks=args.sinks,
     )
     print(json.dumps(summary))
     return 0
@@ -102,14 +98,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    raise UsageError(f"'recurformer {args.command}' is not yet available")
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .pipeline import generate_command
+
+    print(generate_command(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, seed=args.seed))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .run import RunConfig, default_corpora, run_pipeline
+
+    train_files, eval_files = default_corpora()
+    config = RunConfig(model=args.model, data=args.data or train_files, eval_data=args.eval_data or eval_files,
+                       beta=args.beta, mixer=args.mixer, scorer=args.scorer, budget_minutes=args.budget_minutes,
+                       quick=args.quick, seed=args.seed)
+    metrics = run_pipeline(config, args.out, force=args.force)
+    print(f"wrote {args.out}/report.md and {args.out}/metrics.json: perplexity {metrics['ppl_original']:.2f} -> "
+          f"{metrics['ppl_final']:.2f}, cache {metrics['cache_ratio']:.3f}x and decode {metrics['decode_speedup']:.2f}x "
+          f"the original at {metrics['bench_context']} tokens")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="recurformer",
-        description="Replace recency-aware attention heads of a pretrained LLM with Mamba blocks.",
+        description="Replace recency-aware attention heads of a pretrained LLM with recurrent (or windowed) mixers.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -131,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="local HF model directory or a known name (smollm2-135m)")
     p.add_argument("--scores", required=True, help="scores JSON written by 'analyze' on this model")
     p.add_argument("--beta", type=_floats, required=True, help="fraction of KV groups to replace, in [0, 1]")
-    p.add_argument("--mixer", default="mamba", help="mixer kind (default mamba)")
+    p.add_argument("--mixer", default="mamba", help="mamba (default) | mamba2 | window (docs/mixers.md)")
+    p.add_argument("--window", type=int, help="window mixer: tokens each query attends back (default 64)")
+    p.add_argument("--sinks", type=int, help="window mixer: first tokens always attended (default 4)")
     p.add_argument("--scorer", default="recency", help="recency | random | inverse")
     p.add_argument("--init", default="reuse", help="reuse (from the replaced heads) | random")
     p.add_argument("--seed", type=int, default=0)
@@ -192,13 +208,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="PNG to write")
     p.set_defaults(func=cmd_bench)
 
-    for name, text in (
-        ("generate", "generate text"),
-        ("run", "the whole method end to end on one model"),
-    ):
-        p = commands.add_parser(name, help=f"{text} (not yet available)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=cmd_not_yet)
+    p = commands.add_parser("generate", help="continue a prompt with a converted (or original) model")
+    p.add_argument("model", help="converted model directory, model directory or known name")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=_floats, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = commands.add_parser("run", help="the whole method end to end: analyze, convert, train, evaluate, bench, report")
+    p.add_argument("--model", default="smollm2-135m", help="local HF model directory or a known name")
+    p.add_argument("--data", nargs="+", metavar="FILE", help="training text (default: the shared corpora, see docs/run.md)")
+    p.add_argument("--eval-data", nargs="+", metavar="FILE", help="held-out text for perplexity")
+    p.add_argument("--beta", type=_floats, default=0.5, help="fraction of KV groups to replace")
+    p.add_argument("--mixer", default="mamba", help="mixer kind")
+    p.add_argument("--scorer", default="recency", help="recency | inverse | random")
+    p.add_argument("--budget-minutes", type=_floats, default=25.0, help="training time of both stages together")
+    p.add_argument("--quick", action="store_true", help="tiny sizes everywhere: a smoke test, numbers not meaningful")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="run directory (re-running continues it)")
+    p.add_argument("--force", action="store_true", help="start over in --out, deleting what is there")
+    p.set_defaults(func=cmd_run)
     return parser
 
 
@@ -206,11 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, *USER_ERRORS) as error:
+    except USER_ERRORS as error:
         print(f"recurformer: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("recurformer: interrupted", file=sys.stderr)
+        hint = "; run the same command again to continue" if args.command == "run" else ""
+        print(f"recurformer: interrupted{hint}", file=sys.stderr)
         return 130
 
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-MIXER_KINDS = ("mamba",)
+MIXER_KINDS = ("mamba", "mamba2", "window")
 SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
 
 
@@ -22,39 +22,63 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 @dataclass
 class MixerConfig:
-    """Hyper-parameters of the recurrent mixer that replaces a layer's removed heads.
+    """Hyper-parameters of the mixer that replaces a layer's removed heads.
 
-    For `mamba` (Mamba-1 / S6) the inner width is `expand * d_out`, where `d_out` is the
-    number of replaced query heads times `head_dim` ([ours]: the mixer is sized by what it
-    replaces, so a layer that loses more heads gets a wider mixer).
+    A mixer stands in for the layer's replaced query heads and emits their channels
+    (`d_out = replaced query heads * head_dim`). Each field says which kinds read it; the
+    others ignore it, so a config of one kind never fails on another kind's field values
+    as long as they are in range.
+
+    `mamba` (Mamba-1 / S6): inner width `expand * d_out` ([ours]: the mixer is sized by
+    what it replaces, so a layer that loses more heads gets a wider mixer).
+    `mamba2` (Mamba-2 / SSD): one SSD head per replaced query head, head size `head_dim`.
+    `window`: the replaced heads' own softmax attention over the last `window` tokens and
+    the first `sinks` tokens (see docs/mixers.md).
     """
 
     kind: str = "mamba"
-    d_state: int = 16
-    d_conv: int = 4
-    expand: float = 1.0
-    dt_rank: int | str = "auto"  # "auto": ceil(d_in / 16), as in Mamba
-    dt_min: float = 1e-3
+    d_state: int = 16  # mamba: state size per channel
+    d_conv: int = 4  # mamba, mamba2: causal conv width
+    expand: float = 1.0  # mamba
+    dt_rank: int | str = "auto"  # mamba; "auto": ceil(d_in / 16), as in Mamba
+    dt_min: float = 1e-3  # mamba, mamba2: range of the initial step sizes
     dt_max: float = 1e-1
     dt_init_floor: float = 1e-4
-    conv_bias: bool = True
-    proj_bias: bool = False
-    scan_backend: str = "auto"
+    conv_bias: bool = True  # mamba, mamba2
+    proj_bias: bool = False  # mamba, mamba2: biases on in_proj and out_proj
+    scan_backend: str = "auto"  # mamba, mamba2
+    ssd_state: int | str = "head_dim"  # mamba2: state size N per head; "head_dim": N = head_dim
+    ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
+    ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
+    window: int = 64  # window: tokens attended before and including the current one
+    sinks: int = 4  # window: first tokens of the sequence every query also attends ("attention sinks")
 
     def __post_init__(self) -> None:
         _require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
-        _require(isinstance(self.d_state, int) and self.d_state >= 1, f"d_state must be a positive integer, got {self.d_state!r}")
-        _require(isinstance(self.d_conv, int) and self.d_conv >= 1, f"d_conv must be a positive integer, got {self.d_conv!r}")
+        _require(_is_int(self.d_state, 1), f"d_state must be a positive integer, got {self.d_state!r}")
+        _require(_is_int(self.d_conv, 1), f"d_conv must be a positive integer, got {self.d_conv!r}")
         _require(isinstance(self.expand, (int, float)) and self.expand > 0, f"expand must be > 0, got {self.expand!r}")
         _require(
-            self.dt_rank == "auto" or (isinstance(self.dt_rank, int) and self.dt_rank >= 1),
+            self.dt_rank == "auto" or _is_int(self.dt_rank, 1),
             f"dt_rank must be 'auto' or a positive integer, got {self.dt_rank!r}",
         )
         _require(0 < self.dt_min <= self.dt_max, f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min!r}, dt_max={self.dt_max!r}")
         _require(self.dt_init_floor > 0, f"dt_init_floor must be > 0, got {self.dt_init_floor!r}")
         _require(self.scan_backend in SCAN_BACKENDS, f"scan_backend: unknown {self.scan_backend!r}; choose one of {', '.join(SCAN_BACKENDS)}")
+        _require(
+            self.ssd_state == "head_dim" or _is_int(self.ssd_state, 1),
+            f"ssd_state must be 'head_dim' or a positive integer, got {self.ssd_state!r}",
+        )
+        _require(_is_int(self.ssd_chunk, 1), f"ssd_chunk must be a positive integer, got {self.ssd_chunk!r}")
+        _require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
+        _require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
+        _require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
 
     def inner_width(self, d_out: int) -> int:
         """Channels of the recurrence for a mixer producing `d_out` channels."""
@@ -62,6 +86,10 @@ class MixerConfig:
 
     def resolved_dt_rank(self, d_in: int) -> int:
         return math.ceil(d_in / 16) if self.dt_rank == "auto" else int(self.dt_rank)
+
+    def resolved_ssd_state(self, head_dim: int) -> int:
+        """The mamba2 state size N per head."""
+        return head_dim if self.ssd_state == "head_dim" else int(self.ssd_state)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -73,7 +73,9 @@ def tokenize_documents(tokenizer, documents: list[str]) -> list[int]:
     if eos is None:
         raise DataError("the tokenizer has no EOS token to separate documents")
     ids: list[int] = []
-    for encoded in tokenizer(documents, add_special_tokens=False)["input_ids"]:
+    # Whole documents exceed the model's length on purpose (they are packed afterwards):
+    # verbose=False silences the tokenizer's warning about it.
+    for encoded in tokenizer(documents, add_special_tokens=False, verbose=False)["input_ids"]:
         ids.extend(encoded)
         ids.append(eos)
     return ids

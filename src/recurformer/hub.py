@@ -169,6 +169,29 @@ def _looks_like_path(text: str) -> bool:
     return any(s in text for s in seps) or text.startswith((".", "~"))
 
 
+def locate(name_or_path: str | os.PathLike) -> "Path | KnownModel":
+    """The model directory, or the registry entry of a known name, without fetching anything.
+
+    Raises `ModelResolutionError` for what `resolve_model` would refuse, so commands can
+    check a model argument before any long work.
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    # A known name (or its hub id) wins over a stray path of that name without a config.json.
+    spec = _find(text)
+    if spec is not None:
+        return spec
+    if path.is_dir():
+        raise ModelResolutionError(f"{text}: directory has no config.json, so it is not a Hugging Face model directory")
+    if path.exists():
+        raise ModelResolutionError(f"{text}: is a file, expected a model directory or a known model name")
+    if _looks_like_path(text):
+        raise ModelResolutionError(f"{text}: no such model directory")
+    return lookup(text)  # raises, listing the known names
+
+
 @contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `lock_path` (created if needed) for the block."""
@@ -376,20 +399,10 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
     Raises:
         ModelResolutionError: with a one-line message naming the problem.
     """
-    text = os.fspath(name_or_path)
-    path = Path(text).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    # A known name (or its hub id) wins over a stray path of that name without a config.json.
-    spec = _find(text)
-    if spec is None:
-        if path.is_dir():
-            raise ModelResolutionError(f"{text}: directory has no config.json, so it is not a Hugging Face model directory")
-        if path.exists():
-            raise ModelResolutionError(f"{text}: is a file, expected a model directory or a known model name")
-        if _looks_like_path(text):
-            raise ModelResolutionError(f"{text}: no such model directory")
-        spec = lookup(text)  # raises, listing the known names
+    found = locate(name_or_path)
+    if isinstance(found, Path):
+        return found
+    spec = found
     final = cache_root(cache_dir) / "models" / spec.name
     if (final / "config.json").is_file():
         return final

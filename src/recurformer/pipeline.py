@@ -76,6 +76,17 @@ def analyze_command(
     return scores
 
 
+def mixer_config_for(mixer: str, **options) -> MixerConfig:
+    """The MixerConfig of `--mixer` with the flags given (None: not given); a flag that
+    the kind does not read is an error rather than silently ignored."""
+    given = {name: value for name, value in options.items() if value is not None}
+    config = MixerConfig(kind=mixer, **given)
+    window_only = sorted(set(given) & {"window", "sinks"})
+    if window_only and mixer != "window":
+        raise ConfigError(f"--{window_only[0]} applies to --mixer window, not --mixer {mixer}")
+    return config
+
+
 def convert_command(
     model: str,
     scores: str,
@@ -86,12 +97,15 @@ def convert_command(
     init: str = "reuse",
     seed: int = 0,
     force: bool = False,
+    window: int | None = None,
+    sinks: int | None = None,
 ) -> dict:
-    """Select the groups to replace, convert, and save the model + tokenizer into `out`."""
+    """Select the groups to replace, convert, and save the model + tokenizer into `out`.
+    `window` and `sinks` size the window mixer (MixerConfig's defaults if None)."""
     check_beta(beta)
     if init not in INITS:
         raise ConfigError(f"--init: unknown {init!r}; choose one of {', '.join(INITS)}")
-    mixer_config = MixerConfig(kind=mixer)
+    mixer_config = mixer_config_for(mixer, window=window, sinks=sinks)
     chosen_scorer = make_scorer(scorer, seed)
     head_scores = HeadScores.load(scores)
     out_dir = Path(out)
@@ -297,3 +311,20 @@ def eval_task_command(model: str, task: str, out: str | None = None, **options) 
     if out:
         write_json_atomic(out, metrics)
     return metrics
+
+
+def generate_command(model: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> str:
+    """The continuation of `prompt` (greedy when `temperature` is 0, else sampled)."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if not prompt:
+        raise ConfigError("--prompt is empty")
+    net, tokenizer = load_any(model)
+    torch.manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt")
+    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = net.eval().generate(**ids, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -74,3 +75,116 @@ def plot_bench(result: dict, path: str | Path) -> None:
     right.set_title("decode speed, batch 1", fontsize=10)
     right.legend(fontsize=7)
     save_figure(figure, path)
+
+
+def plot_loss_curves(logs: dict[str, Path], path: str | Path) -> None:
+    """Training loss per step of each stage (`stage -> train_log.jsonl`), one panel each."""
+    figure, axes = plt.subplots(1, len(logs), figsize=(5.5 * len(logs), 3.6), squeeze=False)
+    for axis, (stage, log) in zip(axes[0], logs.items()):
+        records = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+        steps = [r["step"] for r in records]
+        axis.plot(steps, [r["loss"] for r in records], marker="." if len(records) < 50 else None, label="loss")
+        if records and "kl" in records[0]:
+            axis.plot(steps, [r["ce"] for r in records], linestyle="--", label="cross-entropy")
+            axis.plot(steps, [r["kl"] for r in records], linestyle=":", label="KL to the original")
+            axis.legend(fontsize=7)
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel("MSE to the replaced heads" if stage == "transfer" else "loss (nats)")
+        axis.set_title(f"{stage} stage", fontsize=10)
+    save_figure(figure, path)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def render_run_report(metrics: dict, config: dict, evaluation: dict, bench: dict) -> str:
+    """The Markdown report of a run, from its metrics, configuration, eval.json and bench.json."""
+    m = metrics
+    hashhop, mqar = evaluation["hashhop_original"], evaluation["mqar_original"]
+    context = m["bench_context"]
+    lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`", ""]
+    if m["quick"]:
+        lines += ["> **Quick run (`--quick`): every size is tiny. These numbers check that the pipeline works; "
+                  "they say nothing about the method.**", ""]
+    lines += [
+        f"{m['replaced_groups']} of the model's KV groups ({m['replaced_fraction']:.0%}) were replaced by `{m['mixer']}` "
+        f"mixers, chosen by the `{m['scorer']}` scorer; the converted model was trained for "
+        f"{m['transfer_minutes'] + m['lm_minutes']:.1f} minutes ({m['transfer_tokens'] + m['lm_tokens']:,} tokens). "
+        f"The whole run took {m['total_minutes']:.1f} minutes.",
+        "",
+        "## Summary",
+        "",
+        "| measure | original | converted | converted / original |",
+        "|---|---|---|---|",
+        f"| perplexity, held-out text ({m['ppl_tokens']:,} tokens) | {m['ppl_original']:.2f} | {m['ppl_final']:.2f} | {m['ppl_ratio']:.2f}x |",
+        f"| HashHop, 1 hop, exact match ({hashhop['n']} problems, ~{hashhop['target_tokens']} tokens) "
+        f"| {m['hashhop_original']:.0%} | {m['hashhop_final']:.0%} | |",
+        f"| MQAR, token accuracy ({mqar['n']} sequences of {mqar['seq_len']} tokens, {mqar['num_kv_pairs']} pairs) "
+        f"| {m['mqar_original']:.0%} | {m['mqar_final']:.0%} | |",
+        f"| cache at {context:,} tokens | {_mib(m['cache_bytes_original'])} | {_mib(m['cache_bytes_final'])} | {m['cache_ratio']:.3f}x |",
+        f"| decode tokens/s at {context:,} tokens (batch 1) | {m['decode_tokens_per_s_original']:.1f} "
+        f"| {m['decode_tokens_per_s_final']:.1f} | {m['decode_speedup']:.2f}x ({m['decode_speedup_vs_static_cache']:.2f}x vs a static cache) |",
+        f"| prefill time at {context:,} tokens | | | {m['prefill_time_ratio']:.2f}x |",
+        f"| longest context whose cache fits {_mib(m['cache_budget_bytes'])} | {m['max_context_in_budget_original']:,} "
+        f"| {m['max_context_in_budget_final']:,} | |",
+        f"| parameters | {m['params_original'] / 1e6:.1f}M | {m['params_converted'] / 1e6:.1f}M | {m['params_converted'] / m['params_original']:.3f}x |",
+        "",
+        "## 1. Which heads were replaced",
+        "",
+        f"Recency ratio of every head (attention mass on the last tokens) measured on {m['analyze_tokens']:,} tokens "
+        f"of the training text; median over KV groups {m['rr_median']:.3f}. Crosses mark the replaced groups.",
+        "",
+        "![heads](heads.png)",
+        "",
+        "## 2. Recovery by continual training",
+        "",
+        "| model | perplexity | x original |",
+        "|---|---|---|",
+    ]
+    for key, label in (("original", "original"), ("converted", "converted, untrained"),
+                       ("transfer", f"after transfer ({m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, {m['transfer_minutes']:.1f} min)"),
+                       ("final", f"after lm ({m['lm_steps']} steps, {m['lm_tokens']:,} tokens, {m['lm_minutes']:.1f} min)")):
+        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.2f} |")
+    lines += [
+        "",
+        "The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced "
+        "(mean squared error, the rest of the model frozen); the `lm` stage trains the mixers and LoRA adapters "
+        "on next-token loss plus the KL divergence to the original model's predictions.",
+        "",
+        "![loss](loss.png)",
+        "",
+        "## 3. Cache, speed and memory",
+        "",
+        "Measured in one process, the original model (with transformers' dynamic cache, and with its static "
+        f"cache) alternating with the converted one, fp32, batch 1, {m['bench_threads']} torch thread(s); decode "
+        "speed is the median of the timed steps.",
+        "",
+        "| model | context | prefill s | decode tok/s | K/V bytes | state bytes | peak memory |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in bench["measurements"]:
+        name = r["model"] if r["model"].startswith("original") else "converted"
+        lines.append(f"| {name} | {r['context']:,} | {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{_mib(r['kv_bytes'])} | {_mib(r['state_bytes'])} | {_mib(r['peak_memory_bytes'])} |")
+    lines += [
+        "",
+        "![bench](bench.png)",
+        "",
+        "## 4. Time per stage",
+        "",
+        "| stage | seconds |",
+        "|---|---|",
+        *[f"| {key[len('seconds_'):]} | {value:.1f} |" for key, value in m.items() if key.startswith("seconds_")],
+        "",
+        "## Configuration",
+        "",
+        "```json",
+        json.dumps(config, indent=1),
+        "```",
+        "",
+        "All numbers are in `metrics.json` (see docs/run.md for each key); re-running the same command "
+        "with the same `--out` skips every finished stage.",
+        "",
+    ]
+    return "\n".join(lines)

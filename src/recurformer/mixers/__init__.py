@@ -1,17 +1,30 @@
-"""Recurrent mixers behind one interface (`Mixer`), built by kind from a `MixerConfig`."""
+"""Mixers behind one interface (`Mixer`), built by kind from a `MixerConfig`."""
 
 from __future__ import annotations
 
 from ..config import MixerConfig
-from .base import Mixer, MixerState, ReplacedHeads
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
 from .mamba import MambaMixer
+from .mamba2 import Mamba2Mixer
+from .window import WindowMixer
 
-MIXERS: dict[str, type[Mixer]] = {"mamba": MambaMixer}
-
-
-def build_mixer(d_in: int, d_out: int, config: MixerConfig) -> Mixer:
-    """The mixer of `config.kind` mapping `d_in` to `d_out` channels."""
-    return MIXERS[config.kind](d_in, d_out, config)
+MIXERS: dict[str, type[Mixer]] = {"mamba": MambaMixer, "mamba2": Mamba2Mixer, "window": WindowMixer}
 
 
-__all__ = ["MIXERS", "Mixer", "MixerState", "MambaMixer", "ReplacedHeads", "build_mixer"]
+def build_mixer(d_in: int, heads: HeadShape, config: MixerConfig) -> Mixer:
+    """The mixer of `config.kind` standing in for `heads`, reading `d_in` channels."""
+    return MIXERS[config.kind](d_in, heads, config)
+
+
+__all__ = [
+    "MIXERS",
+    "HeadShape",
+    "Mamba2Mixer",
+    "MambaMixer",
+    "Mixer",
+    "MixerState",
+    "PositionEmbeddings",
+    "ReplacedHeads",
+    "WindowMixer",
+    "build_mixer",
+]

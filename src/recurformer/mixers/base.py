@@ -1,8 +1,11 @@
 """The interface every mixer shares. The attention layer and the cache know only this.
 
-A mixer maps a layer's normalized hidden states `[B, T, d_in]` to the replaced heads'
-channels `[B, T, d_out]`. Its decoding state is a dict of fixed-size tensors, allocated by
-`allocate_state` and updated in place by `forward` (prefill) and `step` (one token).
+A mixer is built as `Mixer(d_in, heads, config)` from the geometry of the heads it stands
+in for (`HeadShape`) and maps a layer's normalized hidden states `[B, T, d_in]` to those
+heads' channels `[B, T, d_out]`, `d_out = heads.num_q_heads * heads.head_dim`. Its
+decoding state is a dict of fixed-size tensors, allocated by `allocate_state` and updated
+in place by `forward` (prefill) and `step` (one token). Every call receives the rotary
+`position_embeddings` the attention layer received; mixers without positions ignore them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,37 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 MixerState = dict[str, Tensor]
+PositionEmbeddings = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The replaced heads of one layer, which a mixer stands in for.
+
+    `num_q_heads` query heads of `head_dim` channels read `num_kv_heads` KV heads (query
+    head `i` reads KV head `i // group_size`); `qkv_bias`: their q/k/v projections carry
+    biases (Qwen2). The mixer emits `num_q_heads * head_dim` channels.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.num_q_heads, self.num_kv_heads, self.head_dim) < 1 or self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"head shape: need positive sizes and num_q_heads a multiple of num_kv_heads, got "
+                f"num_q_heads={self.num_q_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def d_out(self) -> int:
+        return self.num_q_heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -32,24 +66,31 @@ class ReplacedHeads:
 
 
 class Mixer(nn.Module):
-    """Base class: subclasses implement `forward`, `step` and `allocate_state`."""
+    """Base class: subclasses take `(d_in, heads: HeadShape, config: MixerConfig)` and
+    implement `forward`, `step`, `allocate_state`, `reset_parameters` and `init_from_heads`."""
 
     d_in: int
     d_out: int
 
     def forward(
-        self, x: Tensor, state: MixerState | None = None, attention_mask: Tensor | None = None
+        self,
+        x: Tensor,
+        state: MixerState | None = None,
+        attention_mask: Tensor | None = None,
+        position_embeddings: PositionEmbeddings | None = None,
     ) -> Tensor:
         """x `[B, T, d_in]` -> `[B, T, d_out]`.
 
         `state`, if given, is the state before `x`; it is overwritten with the state after
         `x`. `attention_mask` `[B, T]` (1 = token, 0 = padding): padding leaves the state as
         it was, so a left-padded row gives the same outputs as the row alone.
+        `position_embeddings`: the model's rotary `(cos, sin)`, each `[B or 1, T, head_dim]`.
         """
         raise NotImplementedError
 
-    def step(self, x: Tensor, state: MixerState) -> Tensor:
-        """One decode step: x `[B, d_in]` -> `[B, d_out]`, `state` updated in place."""
+    def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
+        """One decode step: x `[B, d_in]` -> `[B, d_out]`, `state` updated in place;
+        `position_embeddings` as in `forward`, with T = 1."""
         raise NotImplementedError
 
     def allocate_state(self, batch: int, dtype, device) -> MixerState:

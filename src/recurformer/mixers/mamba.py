@@ -21,15 +21,17 @@ from torch import Tensor, nn
 from ..config import MixerConfig
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.selective_scan import selective_scan
-from .base import Mixer, MixerState, ReplacedHeads
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
 
 
 class MambaMixer(Mixer):
     """Mamba-1 mixer `[B, T, d_in] -> [B, T, d_out]` with state `conv [B, d_inner, d_conv]`
-    and `ssm [B, d_inner, d_state]`."""
+    and `ssm [B, d_inner, d_state]`. Of the replaced heads it uses only their width
+    `d_out`; it has no notion of position (`position_embeddings` are ignored)."""
 
-    def __init__(self, d_in: int, d_out: int, config: MixerConfig):
+    def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
+        d_out = heads.d_out
         self.d_in, self.d_out, self.config = d_in, d_out, config
         self.d_inner = d_inner = config.inner_width(d_out)
         self.d_state, self.d_conv = config.d_state, config.d_conv
@@ -96,7 +98,11 @@ class MambaMixer(Mixer):
         return F.softplus(self.dt_proj(dt)), B, C
 
     def forward(
-        self, x: Tensor, state: MixerState | None = None, attention_mask: Tensor | None = None
+        self,
+        x: Tensor,
+        state: MixerState | None = None,
+        attention_mask: Tensor | None = None,
+        position_embeddings: PositionEmbeddings | None = None,
     ) -> Tensor:
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         if attention_mask is not None:
@@ -122,7 +128,7 @@ class MambaMixer(Mixer):
         state["ssm"].copy_(ssm_state)
         return self.out_proj(y)
 
-    def step(self, x: Tensor, state: MixerState) -> Tensor:
+    def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, updating the state in place (the recurrence of `selective_scan_naive`
         with T = 1, written out so that decoding costs a few small ops per layer)."""
         xs, z = self.in_proj(x).chunk(2, dim=-1)  # [B, d_inner] each

@@ -12,6 +12,7 @@ micro-batches: every token has the same weight whatever the number of processes.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -156,6 +157,31 @@ def _precision(choice: str) -> str:
     if torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     return "bf16" if _cpu_has_amx() else "no"
+
+
+def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config: TrainConfig) -> float:
+    """Measured seconds of one optimizer step of `config` in a single process.
+
+    Runs forward + backward of one sequence twice on a copy of `model` (so the model and
+    its trainable set stay untouched) under the same precision as `train`, and scales the
+    second, warm time by `batch_size` (the cost is linear in the sequences at these sizes,
+    and one sequence keeps the probe cheap). `make_objective(copy)` builds
+    the stage's objective for the copy.
+    """
+    trial = copy.deepcopy(model)
+    objective = make_objective(trial)
+    module = objective.prepare(trial)
+    micro = sequences[:1]
+    bf16 = _precision(config.precision) == "bf16"
+    seconds = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        with torch.autocast(micro.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = objective.loss(module, micro)
+        loss.backward()
+        seconds = time.perf_counter() - start
+    objective.finish(module)
+    return seconds * config.batch_size
 
 
 def train(

@@ -1,8 +1,9 @@
 """Stage `transfer` [ours]: each mixer learns to reproduce the heads it replaced.
 
 The base model is frozen. For every converted layer, the original (teacher) model's
-normalized hidden states at that layer are the mixer's input and the original heads'
-pre-`o_proj` outputs (the replaced query heads' channels) are its target; the loss is the
+normalized hidden states at that layer (with the rotary position embeddings its attention
+received) are the mixer's input and the original heads' pre-`o_proj` outputs (the replaced
+query heads' channels) are its target; the loss is the
 mean over layers of their MSE. Layer-local and cheap: the teacher runs without gradients
 and nothing backpropagates through the model, only through each mixer.
 """
@@ -23,8 +24,9 @@ class MixerBank(nn.Module):
         super().__init__()
         self.mixers = nn.ModuleList(mixers)
 
-    def forward(self, inputs: list[Tensor]) -> list[Tensor]:
-        return [mixer(x) for mixer, x in zip(self.mixers, inputs)]
+    def forward(self, inputs: list[Tensor], position_embeddings: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+        """Each mixer on its layer's input `[B, T, hidden]` with that layer's rotary `(cos, sin)`."""
+        return [mixer(x, position_embeddings=pe) for mixer, x, pe in zip(self.mixers, inputs, position_embeddings)]
 
 
 class TransferObjective:
@@ -45,16 +47,27 @@ class TransferObjective:
         self.rows = {l: LayerPlan.build(l, spec, group, head_dim).replaced_q_rows for l in self.layers}
         self.mixers = [student.model.layers[l].self_attn.mixer for l in self.layers]
         self._inputs: dict[int, Tensor] = {}
+        self._positions: dict[int, tuple[Tensor, Tensor]] = {}
         self._targets: dict[int, Tensor] = {}
         self._hooks = []
         for l in self.layers:
             layer = self.teacher.model.layers[l]
             self._hooks.append(layer.input_layernorm.register_forward_hook(self._keep_input(l)))
+            self._hooks.append(layer.self_attn.register_forward_pre_hook(self._keep_positions(l), with_kwargs=True))
             self._hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(self._keep_target(l)))
 
     def _keep_input(self, layer: int):
         def hook(module, args, output):
             self._inputs[layer] = output
+
+        return hook
+
+    def _keep_positions(self, layer: int):
+        """The rotary (cos, sin) the teacher's attention receives: mixers with positions
+        (the window mixer) need the same ones."""
+
+        def hook(module, args, kwargs):
+            self._positions[layer] = kwargs["position_embeddings"]
 
         return hook
 
@@ -73,7 +86,7 @@ class TransferObjective:
     def loss(self, bank: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
         with torch.no_grad():
             self.teacher(input_ids, use_cache=False)
-        outputs = bank([self._inputs[l] for l in self.layers])
+        outputs = bank([self._inputs[l] for l in self.layers], [self._positions[l] for l in self.layers])
         losses = [F.mse_loss(out.float(), self._targets[l].float()) for l, out in zip(self.layers, outputs)]
         # Relative error: MSE over the target's mean square, comparable across layers.
         relative = [
@@ -81,6 +94,7 @@ class TransferObjective:
             for l, loss in zip(self.layers, losses)
         ]
         self._inputs.clear()
+        self._positions.clear()
         self._targets.clear()
         return torch.stack(losses).mean(), {"relative_mse": sum(relative) / len(relative)}
 

@@ -1,0 +1,160 @@
+"""Sliding-window attention: the replaced heads stay softmax attention over a fixed window.
+
+The baseline reviewers asked for. The replaced heads keep their own q/k/v projections
+(and biases) and RoPE; query `i` (the i-th real token of its row) attends to the tokens
+
+    { j <= i :  i - j < window  or  j < sinks }
+
+(the last `window` tokens including itself, and the row's first `sinks` tokens, which
+stay attended forever as "attention sinks"). With `window` >= the sequence length this
+is exactly the original heads' attention.
+
+State: a ring buffer of `sinks + window` slots per row, `keys` and `values`
+`[B, sinks + window, G, D]` (keys stored after RoPE, so the softmax over the buffer does
+not depend on the slot order) and `index` `[B, sinks + window]`, the position of each
+slot's token among the row's real tokens (-1: empty). Token n goes to slot n if n < sinks,
+else to slot `sinks + (n - sinks) % window`. Padding (attention_mask 0) takes no slot and
+no index, so left padding changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ..config import MixerConfig
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
+
+
+class WindowMixer(Mixer):
+    """Sliding-window softmax attention `[B, T, d_in] -> [B, T, H * D]` with a ring-buffer
+    state of `sinks + window` tokens."""
+
+    def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
+        super().__init__()
+        self.d_in, self.d_out, self.config = d_in, heads.d_out, config
+        self.n_heads, self.n_kv_heads, self.head_dim = heads.num_q_heads, heads.num_kv_heads, heads.head_dim
+        self.window, self.sinks = config.window, config.sinks
+        self.scaling = self.head_dim**-0.5
+        self.q_proj = nn.Linear(d_in, self.n_heads * self.head_dim, bias=heads.qkv_bias)
+        self.k_proj = nn.Linear(d_in, self.n_kv_heads * self.head_dim, bias=heads.qkv_bias)
+        self.v_proj = nn.Linear(d_in, self.n_kv_heads * self.head_dim, bias=heads.qkv_bias)
+
+    def reset_parameters(self) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj):
+            linear.reset_parameters()
+
+    @torch.no_grad()
+    def init_from_heads(self, heads: ReplacedHeads) -> None:
+        """The replaced heads' q/k/v weights and biases, unchanged: the same heads, windowed."""
+        for linear, w, b, name in (
+            (self.q_proj, heads.q, heads.q_bias, "q"),
+            (self.k_proj, heads.k, heads.k_bias, "k"),
+            (self.v_proj, heads.v, heads.v_bias, "v"),
+        ):
+            w = w.reshape(-1, w.shape[-1])
+            if w.shape != linear.weight.shape or (b is None) != (linear.bias is None):
+                raise ValueError(
+                    f"window mixer: {name} projection is {tuple(linear.weight.shape)} (bias {linear.bias is not None}), "
+                    f"the replaced heads' is {tuple(w.shape)} (bias {b is not None})"
+                )
+            linear.weight.copy_(w)
+            if b is not None:
+                linear.bias.copy_(b.flatten())
+
+    def allocate_state(self, batch: int, dtype, device) -> MixerState:
+        slots = self.sinks + self.window
+        return {
+            "keys": torch.zeros(batch, slots, self.n_kv_heads, self.head_dim, dtype=dtype, device=device),
+            "values": torch.zeros(batch, slots, self.n_kv_heads, self.head_dim, dtype=dtype, device=device),
+            "index": torch.full((batch, slots), -1, dtype=torch.long, device=device),
+        }
+
+    def _project(self, x: Tensor, position_embeddings: PositionEmbeddings | None) -> tuple[Tensor, Tensor, Tensor]:
+        """x `[B, T, d_in]` -> q `[B, H, T, D]`, k and v `[B, T, G, D]`, RoPE applied to q and k."""
+        if position_embeddings is None:
+            raise ValueError("the window mixer needs position_embeddings=(cos, sin): it applies RoPE as the heads it replaces did")
+        batch, length = x.shape[:2]
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k.transpose(1, 2), v
+
+    def _slots(self, index: Tensor) -> Tensor:
+        """Ring-buffer slot of the tokens at positions `index` (>= 0)."""
+        ring = self.sinks + (index - self.sinks).remainder(self.window)
+        return torch.where(index < self.sinks, index, ring)
+
+    def forward(
+        self,
+        x: Tensor,
+        state: MixerState | None = None,
+        attention_mask: Tensor | None = None,
+        position_embeddings: PositionEmbeddings | None = None,
+    ) -> Tensor:
+        batch, length = x.shape[:2]
+        q, k, v = self._project(x, position_embeddings)
+        buffer = state if state is not None else self.allocate_state(batch, k.dtype, x.device)
+        keys, values, index = buffer["keys"], buffer["values"], buffer["index"]
+        real = torch.ones(batch, length, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
+        seen = index.max(dim=-1).values + 1  # real tokens before x, [B]
+        position = torch.where(real, seen[:, None] + real.cumsum(dim=1) - 1, -1)  # [B, T], -1 for padding
+        # Blocks of at most `window` steps: the buffer then always holds every earlier token
+        # a query of the block may see, and a block's tokens never share a ring slot.
+        outputs = []
+        for start in range(0, length, self.window):
+            block = slice(start, min(length, start + self.window))
+            out, keys, values, index = self._block(q[:, :, block], k[:, block], v[:, block], position[:, block], keys, values, index)
+            outputs.append(out)
+        if state is not None:
+            state["keys"].copy_(keys)
+            state["values"].copy_(values)
+            state["index"].copy_(index)
+        return torch.cat(outputs, dim=2).transpose(1, 2).reshape(batch, length, self.d_out)
+
+    def _block(
+        self, q: Tensor, k: Tensor, v: Tensor, position: Tensor, keys: Tensor, values: Tensor, index: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Attend q `[B, H, L, D]` over the buffer and the block's k, v `[B, L, G, D]`, then
+        write the block into the buffer (out of place, so autograd sees every version).
+        Returns the output `[B, H, L, D]` and the new keys, values and index."""
+        length, slots = q.shape[2], index.shape[1]
+        key_position = torch.cat([index, position], dim=1)  # [B, S + L]
+        query, key = position[:, :, None], key_position[:, None, :]
+        visible = (key >= 0) & (key <= query) & ((query - key < self.window) | (key < self.sinks))  # [B, L, S + L]
+        # A padding query sees only itself: its (discarded) output stays finite.
+        itself = torch.zeros(length, slots + length, dtype=torch.bool, device=q.device)
+        itself[:, slots:] = torch.eye(length, dtype=torch.bool, device=q.device)
+        visible = visible | itself
+        all_keys = torch.cat([keys, k.to(keys.dtype)], dim=1).transpose(1, 2)  # [B, G, S + L, D]
+        all_values = torch.cat([values, v.to(values.dtype)], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, all_keys.to(q.dtype), all_values.to(q.dtype), attn_mask=visible[:, None], scale=self.scaling, enable_gqa=True
+        )
+        rows, steps = (position >= 0).nonzero(as_tuple=True)
+        slot = self._slots(position[rows, steps])
+        keys = keys.index_put((rows, slot), k[rows, steps].to(keys.dtype))
+        values = values.index_put((rows, slot), v[rows, steps].to(values.dtype))
+        index = index.index_put((rows, slot), position[rows, steps])
+        return out, keys, values, index
+
+    def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
+        """One token, written into its ring slot in place, then attending over the buffer."""
+        batch = x.shape[0]
+        q, k, v = self._project(x[:, None], position_embeddings)
+        position = state["index"].max(dim=-1).values + 1  # [B]
+        rows, slot = torch.arange(batch, device=x.device), self._slots(position)
+        state["keys"][rows, slot] = k[:, 0].to(state["keys"].dtype)
+        state["values"][rows, slot] = v[:, 0].to(state["values"].dtype)
+        state["index"][rows, slot] = position
+        # After the write the buffer holds exactly the tokens this query may see.
+        visible = (state["index"] >= 0)[:, None, None, :]  # [B, 1, 1, S]
+        out = F.scaled_dot_product_attention(
+            q, state["keys"].transpose(1, 2).to(q.dtype), state["values"].transpose(1, 2).to(q.dtype),
+            attn_mask=visible, scale=self.scaling, enable_gqa=True,
+        )
+        return out.reshape(batch, self.d_out)

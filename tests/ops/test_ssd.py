@@ -1,0 +1,137 @@
+"""The chunked SSD against the naive oracle: outputs, final state and every input gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recurformer.ops.ssd import cuda_available, ssd, ssd_chunked, ssd_cuda, ssd_naive
+
+
+def make_inputs(length, heads=4, head_dim=8, n_state=6, *, groups=2, batch=2, extras=True, seed=0,
+                dt_scale=1.0, a_max=8.0):
+    """Random SSD inputs: B shared by `groups` groups of heads, C per head; `extras` adds D
+    and an initial state."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    inputs = {
+        "x": randn(batch, length, heads, head_dim),
+        "dt": F.softplus(randn(batch, length, heads) - 1.0) * dt_scale,
+        "A": -(a_max * torch.rand(heads, generator=g) + 0.01),
+        "B": randn(batch, length, groups, n_state),
+        "C": randn(batch, length, heads, n_state),
+    }
+    if extras:
+        inputs.update(D=randn(heads), initial_state=randn(batch, heads, head_dim, n_state))
+    return inputs
+
+
+def run_with_grads(scan, inputs, **kwargs):
+    """(y, final state, gradients of a fixed random projection of both w.r.t. every input)."""
+    leaves = {name: t.clone().requires_grad_(True) for name, t in inputs.items()}
+    y, state = scan(**leaves, return_final_state=True, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    loss = (y * torch.randn(y.shape, generator=g)).sum() + (state * torch.randn(state.shape, generator=g)).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return y, state, dict(zip(leaves, grads))
+
+
+def assert_matches(actual, reference, what, tol=1e-4):
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual.float() - reference.float()).abs().max().item() if reference.numel() else 0.0
+    scale = max(1.0, reference.abs().max().item() if reference.numel() else 0.0)
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol} * {scale:.3g}"
+
+
+def assert_same_scan(inputs, **kwargs):
+    y_ref, state_ref, grads_ref = run_with_grads(ssd_naive, inputs)
+    y, state, grads = run_with_grads(ssd_chunked, inputs, **kwargs)
+    assert y.shape == y_ref.shape and state.shape == state_ref.shape
+    assert_matches(y, y_ref, "y")
+    assert_matches(state, state_ref, "final state")
+    for name in inputs:
+        assert_matches(grads[name], grads_ref[name], f"d/d{name}")
+
+
+@pytest.mark.parametrize("length", [1, 63, 257, 1024])
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "D-state"])
+def test_chunked_matches_naive(length, extras):
+    assert_same_scan(make_inputs(length, extras=extras))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64, 100])
+def test_chunk_sizes_and_ragged_tails(chunk_size):
+    """100 steps: chunks of 5 and 100 divide it, 16 and 64 leave a ragged tail, 1 is the recurrence."""
+    assert_same_scan(make_inputs(100, seed=2), chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("groups", [1, 4], ids=["one-group", "per-head"])
+def test_b_shared_by_all_heads_or_per_head(groups):
+    assert_same_scan(make_inputs(70, groups=groups, seed=4), chunk_size=16)
+
+
+def test_stiff_decays_are_finite_and_exact():
+    """dt up to ~20 and A down to -50: per-step decays down to exp(-1000), chunk sums
+    of the exponents far below anything exp can represent."""
+    inputs = make_inputs(257, dt_scale=10.0)
+    inputs["A"] = torch.tensor([-0.5, -5.0, -20.0, -50.0])
+    assert inputs["dt"].max() > 15
+    assert_same_scan(inputs)
+
+
+def test_mixed_slow_and_fast_decay():
+    """A few steps with dt * A = -2000 among ones of about -0.01 (a state reset), and zero
+    steps (padding: the state passes unchanged). Decay factors taken as differences of
+    prefix sums of the exponents would lose about 1e-4 of their value after such a step."""
+    inputs = make_inputs(300, seed=3, dt_scale=0.05)
+    inputs["A"] = torch.tensor([-0.5, -1.0, -20.0, -1.0])
+    inputs["dt"][0, [40, 41, 150, 151, 152, 260], 1] = 2000.0
+    inputs["dt"][1, :30] = 0.0
+    assert_same_scan(inputs, chunk_size=32)
+
+
+def test_output_dtype_follows_x():
+    inputs = make_inputs(40)
+    inputs["x"] = inputs["x"].to(torch.bfloat16)
+    y, state = ssd_chunked(**inputs, return_final_state=True)
+    y_ref, state_ref = ssd_naive(**inputs, return_final_state=True)
+    assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert_matches(state, state_ref, "final state")
+    torch.testing.assert_close(y, y_ref, atol=2e-2, rtol=2e-2)
+
+
+def test_empty_sequence_returns_the_initial_state():
+    inputs = make_inputs(0)
+    y, state = ssd_chunked(**inputs, return_final_state=True)
+    assert y.shape == (2, 0, 4, 8)
+    assert torch.equal(state, inputs["initial_state"])
+
+
+def test_bad_chunk_size_is_rejected():
+    with pytest.raises(ValueError, match="chunk_size"):
+        ssd_chunked(**make_inputs(8), chunk_size=0)
+
+
+def test_heads_not_divisible_by_groups_are_rejected():
+    with pytest.raises(ValueError, match="4 heads cannot share 3 groups"):
+        ssd_chunked(**make_inputs(8, groups=3))
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunked", "auto"])
+def test_dispatcher_runs_cpu_backends(backend):
+    inputs = make_inputs(20)
+    y = ssd(**inputs, backend=backend, chunk_size=8)
+    assert_matches(y, ssd_naive(**inputs), f"backend={backend}")
+
+
+def test_dispatcher_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="unknown scan backend 'triton'"):
+        ssd(**make_inputs(4), backend="triton")
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the error raised when CUDA / mamba-ssm are missing")
+def test_cuda_backend_without_cuda_raises_clearly():
+    with pytest.raises(RuntimeError, match="backend='cuda' needs"):
+        ssd_cuda(**make_inputs(4))

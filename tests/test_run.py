@@ -1,0 +1,180 @@
+"""`recurformer run`: checks before any work, run directories, stage skipping and resuming,
+the step-time probe, the report, and `recurformer generate`."""
+
+import json
+
+import pytest
+import torch
+
+import recurformer.run as run_module
+from recurformer.cli import main
+from recurformer.config import ConfigError, MixerConfig
+from recurformer.data import DataError
+from recurformer.hub import ModelResolutionError
+from recurformer.report import render_run_report
+from recurformer.run import Run, RunConfig, run_pipeline
+from recurformer.surgery import convert
+from recurformer.train import LMObjective, TrainConfig, TransferObjective, seconds_per_step
+from tiny_models import save_tiny_model, spec_for, tiny_model
+
+
+@pytest.fixture
+def texts(tmp_path):
+    train, held_out = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("the quick brown fox jumps over the lazy dog . " * 50)
+    held_out.write_text("a recurrent state has a fixed size . " * 50)
+    return [str(train)], [str(held_out)]
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(model="no-such-model"), ModelResolutionError, "unknown model 'no-such-model'"),
+        (dict(model="./missing/dir"), ModelResolutionError, "no such model directory"),
+        (dict(beta=1.5), ConfigError, "beta"),
+        (dict(mixer="lstm"), ConfigError, "mixer kind: unknown 'lstm'"),
+        (dict(scorer="loudest"), ConfigError, "loudest"),
+        (dict(budget_minutes=0), ConfigError, "--budget-minutes must be > 0"),
+        (dict(data=["nowhere.txt"]), DataError, "data file not found: nowhere.txt"),
+        (dict(data=[]), ConfigError, "no training data"),
+    ],
+)
+def test_bad_configuration_is_refused_up_front(texts, change, error, message):
+    train, held_out = texts
+    with pytest.raises(error, match=message):
+        RunConfig(**{"data": train, "eval_data": held_out, **change})
+
+
+def test_evaluation_text_must_be_held_out(texts):
+    train, _ = texts
+    with pytest.raises(ConfigError, match="must be held out"):
+        RunConfig(data=train, eval_data=train)
+
+
+def test_cli_bad_input_is_one_line_and_writes_nothing(texts, tmp_path, capsys):
+    train, held_out = texts
+    out = tmp_path / "run"
+    code = main(["run", "--model", "nope", "--data", *train, "--eval-data", *held_out, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "unknown model 'nope'" in err
+    assert not out.exists()
+
+
+def test_a_directory_of_another_configuration_is_refused(texts, tmp_path):
+    train, held_out = texts
+    Run(RunConfig(data=train, eval_data=held_out, beta=0.5), tmp_path / "run").claim(force=False)
+    Run(RunConfig(data=train, eval_data=held_out, beta=0.5), tmp_path / "run").claim(force=False)  # same: fine
+    with pytest.raises(ConfigError, match=r"belongs to a different configuration \(beta: 0.5 there, 0.75 here\)"):
+        Run(RunConfig(data=train, eval_data=held_out, beta=0.75), tmp_path / "run").claim(force=False)
+    (tmp_path / "run" / "stages").mkdir()
+    Run(RunConfig(data=train, eval_data=held_out, beta=0.75), tmp_path / "run").claim(force=True)
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert saved["config"]["beta"] == 0.75 and not (tmp_path / "run" / "stages").exists()
+
+
+def test_a_foreign_non_empty_directory_is_refused(texts, tmp_path):
+    train, held_out = texts
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a run directory"):
+        Run(RunConfig(data=train, eval_data=held_out), tmp_path / "taken").claim(force=False)
+
+
+def test_an_interrupted_run_continues_where_it_stopped(texts, tmp_path, monkeypatch):
+    train, held_out = texts
+    calls = {"first": 0, "second": 0, "last": 0}
+    interrupt = {"armed": True}
+
+    def first(run):
+        calls["first"] += 1
+        return {"value": 1}
+
+    def second(run):
+        calls["second"] += 1
+        if interrupt["armed"]:
+            interrupt["armed"] = False
+            raise KeyboardInterrupt
+        return {"value": 2}
+
+    def last(run):
+        calls["last"] += 1
+        (run.out / "metrics.json").write_text(json.dumps({"done": run.record("second")["value"]}))
+        return {}
+
+    monkeypatch.setattr(run_module, "stages", lambda run: [("first", first, 1.0), ("second", second, 1.0), ("last", last, 1.0)])
+    config = RunConfig(data=train, eval_data=held_out)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(config, tmp_path / "run", progress=False)
+    assert calls == {"first": 1, "second": 1, "last": 0}
+    assert not (tmp_path / "run" / "stages" / "second.json").exists()
+    assert run_pipeline(config, tmp_path / "run", progress=False) == {"done": 2}
+    assert calls == {"first": 1, "second": 2, "last": 1}
+    run_pipeline(config, tmp_path / "run", progress=False)  # everything done: nothing runs again
+    assert calls == {"first": 1, "second": 2, "last": 1}
+    assert json.loads((tmp_path / "run" / "stages" / "first.json").read_text())["value"] == 1
+
+
+@pytest.mark.parametrize("stage", ["transfer", "lm"])
+def test_step_time_probe_leaves_the_model_untouched(stage):
+    teacher = tiny_model("llama")
+    student = convert(teacher, spec_for(teacher, 0.5), MixerConfig(), init="reuse")
+    before = {name: (p.detach().clone(), p.requires_grad) for name, p in student.named_parameters()}
+    config = TrainConfig(stage=stage, steps=1, seq_len=16, batch_size=2, precision="no",
+                         **(dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}))
+    if stage == "lm":
+        make = lambda copy: LMObjective(config.trainable, teacher, config.distill_weight)  # noqa: E731
+    else:
+        make = lambda copy: TransferObjective(teacher, copy)  # noqa: E731
+    seconds = seconds_per_step(student, make, torch.randint(0, 97, (4, 16)), config)
+    assert 0 < seconds < 60
+    after = dict(student.named_parameters())
+    assert set(after) == set(before)  # no LoRA wrapping leaked into the model
+    for name, (value, flag) in before.items():
+        assert torch.equal(after[name], value) and after[name].requires_grad == flag and after[name].grad is None
+
+
+def _metrics(quick: bool) -> dict:
+    return {
+        "quick": quick, "model": "tiny", "beta": 0.5, "mixer": "mamba", "scorer": "recency", "replaced_groups": 45,
+        "replaced_fraction": 0.5, "params_original": 134_515_008, "params_converted": 141_016_000,
+        "analyze_tokens": 16384, "rr_median": 0.27, "transfer_steps": 40, "transfer_tokens": 163_840,
+        "transfer_minutes": 8.5, "lm_steps": 20, "lm_tokens": 81_920, "lm_minutes": 16.0, "ppl_original": 24.22,
+        "ppl_converted": 5139.0, "ppl_transfer": 83.7, "ppl_final": 40.1, "ppl_tokens": 16383, "ppl_ratio": 40.1 / 24.22,
+        "hashhop_original": 0.25, "hashhop_final": 0.125, "mqar_original": 0.12, "mqar_final": 0.03,
+        "bench_context": 4096, "bench_threads": 2, "cache_bytes_original": 180 * 2**20, "cache_bytes_final": 91 * 2**20,
+        "cache_ratio": 0.506, "decode_tokens_per_s_original": 10.0, "decode_tokens_per_s_final": 14.0,
+        "decode_speedup": 1.4, "decode_speedup_vs_static_cache": 1.1, "prefill_time_ratio": 0.9,
+        "max_context_in_budget_original": 23_301, "max_context_in_budget_final": 46_573, "cache_budget_bytes": 2**30,
+        "seconds_resolve": 0.1, "seconds_lm": 960.0, "total_minutes": 38.2,
+    }
+
+
+def test_report_states_the_numbers_and_flags_quick_runs():
+    evaluation = {"hashhop_original": {"n": 24, "target_tokens": 256},
+                  "mqar_original": {"n": 32, "seq_len": 256, "num_kv_pairs": 16}}
+    bench = {"measurements": [{"model": "original", "context": 4096, "prefill_s": 9.5, "decode_tokens_per_s": 10.0,
+                               "kv_bytes": 180 * 2**20, "state_bytes": 0, "peak_memory_bytes": 300 * 2**20}]}
+    full = render_run_report(_metrics(False), {"beta": 0.5}, evaluation, bench)
+    assert "| perplexity, held-out text (16,383 tokens) | 24.22 | 40.10 | 1.66x |" in full
+    assert "| cache at 4,096 tokens | 180.0 MiB | 91.0 MiB | 0.506x |" in full
+    assert "1.40x (1.10x vs a static cache)" in full
+    assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.46 |" in full
+    assert "| lm | 960.0 |" in full
+    assert "2 torch thread(s)" in full
+    assert "Quick run" not in full
+    assert "Quick run" in render_run_report(_metrics(True), {"beta": 0.5}, evaluation, bench)
+
+
+def test_generate_command_continues_a_prompt_greedily(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    directory = save_tiny_model(tmp_path / "model")
+    assert main(["generate", str(directory), "--prompt", "The quick brown", "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    model, tokenizer = tiny_model("llama"), AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer("The quick brown", return_tensors="pt")
+    expected = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert printed == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert main(["generate", str(directory), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
