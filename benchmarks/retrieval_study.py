@@ -32,7 +32,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -75,6 +75,7 @@ class MQAR:
     seq_len: int
     kv_pairs: int
     vocab_size: int
+    warm_start: str | None = None  # a task whose base model (same seed) this one's training starts from
     name: str = "mqar"
 
     def make(self, num: int, scale: int, seed: int) -> dict[str, Tensor]:
@@ -98,6 +99,7 @@ class HashHop:
     hops: int
     queries: int
     vocab_size: int
+    warm_start: str | None = None
     name: str = "hashhop"
 
     @property
@@ -117,6 +119,18 @@ class HashHop:
                 f"{self.seq_len} tokens, vocabulary {self.vocab_size}")
 
 
+def warm_started_tasks(hashhop: HashHop, mqar: MQAR) -> tuple:
+    """[ours] HashHop first, then MQAR starting from the HashHop model of the same seed.
+
+    From a random init our MQAR models settle within the budget into a solution without
+    retrieval: answer with a value of the context that has not been asked yet (34% accuracy
+    with 8 pairs, measured over several learning rates, batch sizes and 4000 steps). HashHop,
+    whose keys and values share one vocabulary, has no such shortcut, and its models learn
+    retrieval; MQAR then only has to learn its format.
+    """
+    return hashhop, replace(mqar, warm_start=hashhop.name)
+
+
 # ---------------------------------------------------------------------------- configuration
 
 
@@ -131,8 +145,11 @@ class Study:
     kv_heads: int
     intermediate: int
     batch_size: int
-    base_steps: int
+    base_max_steps: int
+    base_check_every: int
+    base_solved: float  # validation accuracy at which a base model counts as solving its task
     base_lr: float
+    continual_batch_size: int
     transfer_steps: int
     transfer_lr: float
     lm_steps: int
@@ -165,13 +182,18 @@ class Study:
         require(all(0 <= s < 100_000 for s in self.seeds), f"--seeds must be in [0, 100000), got {list(self.seeds)}")
         require(self.scales[0] == 1 and list(self.scales) == sorted(set(self.scales)), f"scales must start at 1 and grow, got {self.scales}")
         require(all(s in SELECTORS for s in self.headline_selectors), f"headline selectors must be among {SELECTORS}")
+        names = [t.name for t in self.tasks]
+        for i, task in enumerate(self.tasks):
+            require(task.warm_start is None or task.warm_start in names[:i],
+                    f"--tasks: {task.name} starts from the {task.warm_start} model; select {task.warm_start} too")
 
     @classmethod
     def full(cls, mixers: tuple[str, ...], seeds: tuple[int, ...] = (0, 1, 2)) -> "Study":
         return cls(
-            tasks=(MQAR(seq_len=64, kv_pairs=8, vocab_size=128), HashHop(n_chains=8, hops=2, queries=4, vocab_size=128)),
+            tasks=warm_started_tasks(HashHop(n_chains=8, hops=2, queries=4, vocab_size=128), MQAR(seq_len=64, kv_pairs=8, vocab_size=128)),
             hidden=128, layers=4, heads=4, kv_heads=2, intermediate=256, batch_size=64,
-            base_steps=2000, base_lr=3e-3, transfer_steps=100, transfer_lr=3e-3, lm_steps=150, lm_lr=1e-3,
+            base_max_steps=3000, base_check_every=100, base_solved=0.97, base_lr=3e-3,
+            continual_batch_size=32, transfer_steps=100, transfer_lr=3e-3, lm_steps=150, lm_lr=1e-3,
             analyze_sequences=64, recency_window=4, mixer_window=8, eval_examples=512, scales=(1, 2, 4),
             betas=(0.0, 0.25, 0.5, 0.75, 1.0), mixers=mixers, seeds=seeds, headline_beta=0.5,
             headline_selectors=("recency", "random", "layer"), tolerance=0.05,
@@ -181,9 +203,10 @@ class Study:
     def quick(cls, mixers: tuple[str, ...]) -> "Study":
         """A pipeline check: every kind of unit and output, at toy sizes; the numbers mean nothing."""
         return cls(
-            tasks=(MQAR(seq_len=16, kv_pairs=2, vocab_size=32), HashHop(n_chains=2, hops=2, queries=1, vocab_size=32)),
+            tasks=warm_started_tasks(HashHop(n_chains=2, hops=2, queries=1, vocab_size=32), MQAR(seq_len=16, kv_pairs=2, vocab_size=32)),
             hidden=32, layers=2, heads=4, kv_heads=2, intermediate=32, batch_size=8,
-            base_steps=4, base_lr=3e-3, transfer_steps=2, transfer_lr=3e-3, lm_steps=2, lm_lr=1e-3,
+            base_max_steps=4, base_check_every=2, base_solved=0.97, base_lr=3e-3,
+            continual_batch_size=8, transfer_steps=2, transfer_lr=3e-3, lm_steps=2, lm_lr=1e-3,
             analyze_sequences=4, recency_window=4, mixer_window=4, eval_examples=16, scales=(1, 2, 4),
             betas=(0.0, 0.5, 1.0), mixers=mixers, seeds=(0, 1), headline_beta=0.5,
             headline_selectors=("recency", "layer"), tolerance=0.05,
@@ -194,24 +217,38 @@ class Study:
         data["tasks"] = [{"name": t.name, "seq_len": t.seq_len, **asdict(t)} for t in self.tasks]
         return data
 
-    def unit_settings(self) -> dict:
-        """The settings a finished unit depends on (the others only decide which units exist)."""
-        grid = {"betas", "mixers", "seeds", "headline_beta", "headline_selectors", "tolerance"}
-        return {k: v for k, v in self.to_dict().items() if k not in grid}
+    def unit_settings(self, task) -> dict:
+        """The settings `task`'s finished units depend on (the others only decide which units exist)."""
+        grid = {"tasks", "betas", "mixers", "seeds", "headline_beta", "headline_selectors", "tolerance"}
+        settings = {k: v for k, v in self.to_dict().items() if k not in grid}
+        source = next((t for t in self.tasks if t.name == task.warm_start), None)
+        tasks = {"task": {"seq_len": task.seq_len, **asdict(task)}}
+        if source is not None:  # the base model depends on the one it starts from
+            tasks["warm_start_task"] = {"seq_len": source.seq_len, **asdict(source)}
+        return json.loads(json.dumps({**settings, **tasks}))
+
+    def only(self, names: list[str]) -> "Study":
+        """The same study restricted to the tasks in `names`."""
+        known = [t.name for t in self.tasks]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise ConfigError(f"--tasks: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+        return replace(self, tasks=tuple(t for t in self.tasks if t.name in names))
 
 
 def check_work_dir(study: Study, work: Path, record: bool) -> None:
-    """Refuse a work dir whose `settings.json` holds other unit settings (skipping its finished
-    units would mix two studies); with `record`, write the settings of a new one."""
-    path, settings = work / "settings.json", json.loads(json.dumps(study.unit_settings()))
-    if not path.exists():
-        if record:
-            write_json_atomic(path, settings)
-        return
-    recorded = json.loads(path.read_text())
-    changed = sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
-    if changed:
-        raise ConfigError(f"{work} holds units made with other settings ({', '.join(changed)}); use another --work")
+    """Refuse a task directory whose `settings.json` holds other unit settings (skipping its
+    finished units would mix two studies); with `record`, write the settings of a new one."""
+    for task in study.tasks:
+        path, settings = work / task.name / "settings.json", study.unit_settings(task)
+        if not path.exists():
+            if record:
+                write_json_atomic(path, settings)
+            continue
+        recorded = json.loads(path.read_text())
+        changed = sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
+        if changed:
+            raise ConfigError(f"{path.parent} holds units made with other settings ({', '.join(changed)}); use another --work")
 
 
 @dataclass(frozen=True)
@@ -291,7 +328,7 @@ def plan(study: Study, work: Path, part: str) -> list[Unit]:
 
 def data_seed(seed: int, purpose: str) -> int:
     """Disjoint problem streams per model seed and purpose; evaluation uses EVAL_SEED + scale."""
-    return seed * 10 + {"base": 0, "analysis": 1, "continual": 2}[purpose]
+    return seed * 10 + {"base": 0, "analysis": 1, "continual": 2, "validation": 3}[purpose]
 
 
 # ---------------------------------------------------------------------------- units
@@ -316,7 +353,7 @@ def stage_config(study: Study, task, stage: str, steps: int, lr: float, seed: in
     """fp32 ([ours]: bf16 autocast is slower than fp32 for matrices this small, measured),
     one checkpoint at the end (a unit is redone whole if interrupted)."""
     return TrainConfig(
-        stage=stage, steps=steps, seq_len=task.seq_len, batch_size=study.batch_size, lr=lr,
+        stage=stage, steps=steps, seq_len=task.seq_len, batch_size=study.continual_batch_size, lr=lr,
         weight_decay=0.1 if stage == "lm" else 0.0, trainable="all" if stage == "lm" else "mixers",
         precision="no", checkpoint_every=steps, seed=seed,
     )
@@ -331,20 +368,53 @@ def train_on_task(model, objective, data: dict[str, Tensor], config: TrainConfig
 
 
 def run_base(study: Study, unit: Unit, out: Path) -> dict:
-    """Train a base model from scratch on its task, then score its heads on task sequences."""
+    """Train a base model on its task until it solves it, then score its heads on task sequences."""
     task, seed = unit.task, unit.seed
     torch.manual_seed(seed)
     model = LlamaForCausalLM(base_config(study, task))
-    data = task.make(study.base_steps * study.batch_size, 1, data_seed(seed, "base"))
-    config = stage_config(study, task, "lm", study.base_steps, study.base_lr, seed)
-    summary = train_on_task(model, LMObjective("all"), data, config, out / "train")
+    if task.warm_start:
+        source = unit.home.parent.parent / task.warm_start / f"s{seed}" / "base" / "model"
+        model.load_state_dict(LlamaForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict())
+    record = train_until_solved(model, task, study, seed, out / "train_log.jsonl")
     model.eval().save_pretrained(out / "model")
     sequences = task.make(study.analyze_sequences, 1, data_seed(seed, "analysis"))["input_ids"]
     scores = analyze(model, sequences, window=study.recency_window, windows=(study.recency_window,), batch_size=16,
                      model_name=f"{task.name}-s{seed}", progress=False)
     scores.save(out / "scores.json")
-    return {"final_loss": summary["final_loss"], "parameters": sum(p.numel() for p in model.parameters()),
+    return {**record, "parameters": sum(p.numel() for p in model.parameters()),
             "accuracy_x1": evaluate_accuracy(model, task, study, 1)["accuracy"]}
+
+
+def train_until_solved(model, task, study: Study, seed: int, log: Path) -> dict:
+    """[ours] AdamW (betas 0.9/0.95, weight decay 0.1, clip 1), linear warmup then a constant
+    lr, loss on answer tokens; every `base_check_every` steps the accuracy on held-out
+    validation problems is measured and training stops once it reaches `base_solved` (or at
+    `base_max_steps`). Retrieval appears after a plateau of unpredictable length (measured
+    here: from 400 to more than 1500 steps for the same setting), so a fixed schedule either
+    wastes time or stops on the plateau. Returns steps, final loss and validation accuracy.
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=study.base_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, study.base_check_every // 2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    validation = task.make(study.eval_examples, 1, data_seed(seed, "validation"))
+    started, step, accuracy, loss = time.monotonic(), 0, 0.0, float("nan")
+    while step < study.base_max_steps and accuracy < study.base_solved:
+        # A fresh stream of problems per round: data_seed(...) * 1000 + round never repeats one.
+        data = task.make(study.base_check_every * study.batch_size, 1, data_seed(seed, "base") * 1000 + step)
+        model.train()
+        for ids, labels in zip(data["input_ids"].split(study.batch_size), data["labels"].split(study.batch_size)):
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+        accuracy = task.score(predict(model, validation), validation["labels"])["accuracy"]
+        with open(log, "a") as handle:
+            handle.write(json.dumps({"step": step, "loss": loss.item(), "validation_accuracy": accuracy,
+                                     "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
+    return {"steps": step, "final_loss": loss.item(), "validation_accuracy": accuracy, "solved": accuracy >= study.base_solved}
 
 
 def select(scores: HeadScores, variant: Variant, seed: int) -> ReplacementSpec:
@@ -375,8 +445,10 @@ def run_variant(study: Study, unit: Unit, out: Path, base, scores: HeadScores) -
     task, seed, variant = unit.task, unit.seed, unit.variant
     spec = select(scores, variant, seed)
     student = convert(base, spec, mixer_config(study, variant.mixer), init="reuse", seed=seed)
-    data = task.make(max(study.transfer_steps, study.lm_steps) * study.batch_size, 1, data_seed(seed, "continual"))
+    data = task.make(max(study.transfer_steps, study.lm_steps) * study.continual_batch_size, 1, data_seed(seed, "continual"))
+    recency = scores.group_values()
     record = {"groups": len(spec.groups), "fraction": spec.fraction, "spec": spec.to_dict(),
+              "replaced_recency": statistics.fmean(recency[g] for g in spec.groups) if spec.groups else None,
               "accuracy_converted": evaluate_accuracy(student, task, study, 1)["accuracy"], "accuracy_transfer": None}
     if spec.groups:
         config = stage_config(study, task, "transfer", study.transfer_steps, study.transfer_lr, seed)
@@ -389,15 +461,19 @@ def run_variant(study: Study, unit: Unit, out: Path, base, scores: HeadScores) -
 
 
 @torch.no_grad()
-def evaluate_accuracy(model, task, study: Study, scale: int, batch_size: int = 64) -> dict:
-    """The task's scores on `eval_examples` held-out problems at `scale` x the training length."""
-    data = task.make(study.eval_examples, scale, EVAL_SEED + scale)
+def predict(model, data: dict[str, Tensor], batch_size: int = 64) -> Tensor:
+    """Greedy next-token guesses `[N, T]` aligned with `data["labels"]` (teacher forcing)."""
     model.eval()
-    predictions = torch.cat([
+    return torch.cat([
         align_predictions(model(ids, use_cache=False).logits, labels)
         for ids, labels in zip(data["input_ids"].split(batch_size), data["labels"].split(batch_size))
     ])
-    return task.score(predictions, data["labels"])
+
+
+def evaluate_accuracy(model, task, study: Study, scale: int) -> dict:
+    """The task's scores on `eval_examples` held-out problems at `scale` x the training length."""
+    data = task.make(study.eval_examples, scale, EVAL_SEED + scale)
+    return task.score(predict(model, data), data["labels"])
 
 
 @torch.no_grad()
@@ -507,8 +583,9 @@ def collect(study: Study, units: list[Unit]) -> dict:
                "beta": 0.0 if variant is None else variant.beta, "groups": 0, "fraction": 0.0}
         if variant is not None:
             record = json.loads((Unit("variant", unit.task, unit.seed, variant, unit.home).path / "unit.json").read_text())
-            row.update(groups=record["groups"], fraction=record["fraction"], accuracy_converted=record["accuracy_converted"],
-                       accuracy_transfer=record["accuracy_transfer"], train_s=record["elapsed_s"])
+            row.update(groups=record["groups"], fraction=record["fraction"], replaced_recency=record["replaced_recency"],
+                       accuracy_converted=record["accuracy_converted"], accuracy_transfer=record["accuracy_transfer"],
+                       train_s=record["elapsed_s"])
         for scale in study.scales:
             at = result[f"x{scale}"]
             row[f"accuracy_x{scale}"] = at["accuracy"]
@@ -534,6 +611,8 @@ def summarize(rows: list[dict], scales: tuple[int, ...]) -> list[dict]:
         entry = {k: first[k] for k in ("task", "variant", "selector", "mixer", "beta", "groups", "fraction",
                                        "kv_bytes_per_token", "state_bytes")}
         entry["seeds"] = sorted(r["seed"] for r in members)
+        recency = [r["replaced_recency"] for r in members if r.get("replaced_recency") is not None]
+        entry["replaced_recency"] = statistics.fmean(recency) if recency else None
         for scale in scales:
             values = [r[f"accuracy_x{scale}"] for r in members]
             entry[f"mean_x{scale}"] = statistics.fmean(values)
@@ -556,12 +635,13 @@ def cell(entry: dict, scale: int) -> str:
 
 
 def table(entries: list[dict], scales: tuple[int, ...]) -> list[str]:
-    head = ["selection", "mixer", "beta", "groups (fraction)"] + [f"accuracy {s}x" for s in scales]
+    head = ["selection", "mixer", "beta", "groups (fraction)", "RR of replaced"] + [f"accuracy {s}x" for s in scales]
     head += ["KV B/token", "state B", f"cache B at {scales[-1]}x", "seeds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in sorted(entries, key=sort_key):
         lines.append("| " + " | ".join([
             e["selector"], e["mixer"], f"{e['beta']:.2f}", f"{e['groups']} ({e['fraction']:.2f})",
+            "-" if e["replaced_recency"] is None else f"{e['replaced_recency']:.3f}",
             *[cell(e, s) for s in scales], f"{e['kv_bytes_per_token']:.0f}", f"{e['state_bytes']:,}",
             f"{e[f'cache_bytes_x{scales[-1]}']:,}", ",".join(map(str, e["seeds"])),
         ]) + " |")
@@ -680,10 +760,13 @@ def render_readme(results: dict, study: Study, figures: list[str], complete: boo
              "## Setup", "",
              f"- Base models: Llama architecture (rotary positions), {s['layers']} layers, hidden {s['hidden']}, "
              f"{s['heads']} query heads in {s['kv_heads']} KV groups per layer ({s['layers'] * s['kv_heads']} groups), "
-             f"MLP {s['intermediate']}, trained from scratch for {s['base_steps']} steps x {s['batch_size']} problems "
-             f"(lr {s['base_lr']}), loss on answer tokens only."]
+             f"MLP {s['intermediate']}, q/k/v/o biases, trained from scratch on fresh problems, batch {s['batch_size']}, "
+             f"lr {s['base_lr']} (warmup, then constant), loss on answer tokens only, until the accuracy on held-out "
+             f"validation problems reaches {s['base_solved']} (checked every {s['base_check_every']} steps, at most "
+             f"{s['base_max_steps']} steps)."]
     for task in study.tasks:
-        lines.append(f"- Task `{task.name}`: {task.describe()}. At k x the length, k x the pairs/chains/queries.")
+        start = f" Training starts from the `{task.warm_start}` model of the same seed." if task.warm_start else ""
+        lines.append(f"- Task `{task.name}`: {task.describe()}. At k x the length, k x the pairs/chains/queries.{start}")
     lines += [
         f"- Heads scored with `recurformer.scoring.analyze` on {s['analyze_sequences']} task sequences, recency window "
         f"w = {s['recency_window']} tokens. Selections: `recency` (paper), `random`, `inverse` (least recent first), "
@@ -693,7 +776,7 @@ def render_readme(results: dict, study: Study, figures: list[str], complete: boo
         + (f" (window mixer span {s['mixer_window']} tokens)" if "window" in study.mixers else "") + ".",
         f"- Continual training, identical for every variant: transfer stage {s['transfer_steps']} steps (lr "
         f"{s['transfer_lr']}; skipped at beta 0, nothing to transfer), then lm stage {s['lm_steps']} steps (lr "
-        f"{s['lm_lr']}, all weights trainable, loss on answer tokens), batch {s['batch_size']}.",
+        f"{s['lm_lr']}, all weights trainable, loss on answer tokens), batch {s['continual_batch_size']}.",
         f"- Evaluation: {s['eval_examples']} held-out problems (seed {EVAL_SEED} + scale) at {', '.join(f'{k}x' for k in scales)} "
         "the training length; accuracy over answer tokens. Cache bytes measured from the model's cache "
         "(`HybridCache.nbytes()`; a `DynamicCache` for the original) after a forward over one problem, fp32.",
@@ -701,10 +784,11 @@ def render_readme(results: dict, study: Study, figures: list[str], complete: boo
         f"base model, beta 0 and the headline rows ({', '.join(s['headline_selectors'])} at beta {s['headline_beta']}). "
         "Cells show the mean ± sample standard deviation over the seeds listed in the row.",
         "", "## Base models", "",
-        "| task | seed | parameters | final training loss | accuracy 1x (after training) | minutes |", "|---|---|---|---|---|---|"]
+        "| task | seed | parameters | steps | solved | validation accuracy | test accuracy 1x | minutes |",
+        "|---|---|---|---|---|---|---|---|"]
     for b in results["base_models"]:
-        lines.append(f"| {b['task']} | {b['seed']} | {b['parameters']:,} | {b['final_loss']:.4f} | "
-                     f"{b['accuracy_x1']:.3f} | {b['elapsed_s'] / 60:.1f} |")
+        lines.append(f"| {b['task']} | {b['seed']} | {b['parameters']:,} | {b['steps']} | {'yes' if b['solved'] else '**no**'} | "
+                     f"{b['validation_accuracy']:.3f} | {b['accuracy_x1']:.3f} | {b['elapsed_s'] / 60:.1f} |")
     for task in study.tasks:
         mine = [e for e in entries if e["task"] == task.name]
         if mine:
@@ -714,7 +798,8 @@ def render_readme(results: dict, study: Study, figures: list[str], complete: boo
     lines += ["", "## Files", "",
               "- `results.json`: `rows`, one per (task, seed, variant): `accuracy_x{k}`, `example_accuracy_x{k}`, "
               "`cache_bytes_x{k}` and `tokens_x{k}` per scale k, `kv_bytes_per_token`, `state_bytes`, `groups`, "
-              "`fraction` (replaced groups / all groups; the actual fraction for `layer`), `accuracy_converted` and "
+              "`fraction` (replaced groups / all groups; the actual fraction for `layer`), `replaced_recency` (mean RR of "
+              "the replaced groups), `accuracy_converted` and "
               "`accuracy_transfer` (1x, right after surgery and after the transfer stage), `train_s`; "
               "`base_models`; `study` (every setting).",
               "- `pareto.png`: accuracy against cache bytes; `heads-<task>.png`: recency ratio per head of the "
@@ -749,6 +834,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes: checks the pipeline in well under a minute")
     parser.add_argument("--part", choices=PARTS, default="all", help="headline: beta 0 and the headline rows only")
+    parser.add_argument("--tasks", default="mqar,hashhop", help="comma-separated task names")
     parser.add_argument("--mixers", default="mamba,window", help=f"comma-separated, from {', '.join(MIXER_KINDS)}")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds (0..n-1); the first runs the whole grid")
     parser.add_argument("--out", default=None, help="results directory (default docs/results/retrieval; quick: runs/retrieval-quick)")
@@ -768,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         mixers = tuple(m for m in args.mixers.split(",") if m)
         study = Study.quick(mixers) if args.quick else Study.full(mixers, tuple(range(args.seeds)))
+        study = study.only([t for t in args.tasks.split(",") if t])
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ def test_outputs_are_complete_and_well_formed(study, quick_run):
     assert "All planned units are finished." in readme and "## Conclusions" in readme
     entries = study.summarize(results["rows"], config.scales)
     table_rows = [line for line in readme.splitlines()
-                  if line.startswith("| ") and line.count("|") == 12 and not line.startswith("| selection")]
+                  if line.startswith("| ") and line.count("|") == 13 and not line.startswith("| selection")]
     assert len(table_rows) == len(entries)
     assert any("±" in line for line in table_rows)  # the headline rows have several seeds
 
@@ -83,8 +83,8 @@ def test_a_work_dir_made_with_other_settings_is_refused(study, quick_run, tmp_pa
     root, _ = quick_run
     work = tmp_path / "work"
     shutil.copytree(root / "work", work)
-    settings = json.loads((work / "settings.json").read_text())
-    (work / "settings.json").write_text(json.dumps({**settings, "lm_steps": settings["lm_steps"] + 1}))
+    settings = json.loads((work / "hashhop" / "settings.json").read_text())
+    (work / "hashhop" / "settings.json").write_text(json.dumps({**settings, "lm_steps": settings["lm_steps"] + 1}))
     assert study.main(["--quick", "--work", str(work), "--out", str(tmp_path / "out"), "--estimate"]) == 2
     assert "made with other settings (lm_steps)" in capsys.readouterr().err
 
@@ -92,6 +92,7 @@ def test_a_work_dir_made_with_other_settings_is_refused(study, quick_run, tmp_pa
 @pytest.mark.parametrize("argv, message", [
     (["--mixers", "lstm"], "--mixers: lstm not available"),
     (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--tasks", "mqar,babi"], "--tasks: unknown babi"),
 ])
 def test_bad_arguments_give_a_one_line_error(study, capsys, argv, message):
     assert study.main(argv + ["--estimate"]) == 2

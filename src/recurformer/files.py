@@ -51,6 +51,9 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         raise FileExistsError(f"{path} exists already")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700 directories; a plain mkdir would not
     try:
         yield staging
         os.replace(staging, path)
