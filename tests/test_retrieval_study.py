@@ -47,7 +47,7 @@ def test_outputs_are_complete_and_well_formed(study, quick_run):
     assert "All planned units are finished." in readme and "## Conclusions" in readme
     entries = study.summarize(results["rows"], config.scales)
     table_rows = [line for line in readme.splitlines()
-                  if line.startswith("| ") and line.count("|") == 13 and not line.startswith("| selection")]
+                  if line.startswith("| ") and line.count("|") == 14 and not line.startswith("| selection")]
     assert len(table_rows) == len(entries)
     assert any("±" in line for line in table_rows)  # the headline rows have several seeds
 
