@@ -15,6 +15,7 @@ exists. At the end, `results.json`, `README.md` and plots are written into `--ou
     python benchmarks/retrieval_study.py                # the full study (< 2 h on 2 cores)
     python benchmarks/retrieval_study.py --part headline  # beta 0 and the headline rows only
     python benchmarks/retrieval_study.py --estimate     # pending units and measured time per unit
+    python benchmarks/retrieval_study.py --report-only  # results.json, README.md and plots from finished units
     python benchmarks/retrieval_study.py --quick --out /tmp/q --work /tmp/q/work  # pipeline check
 
 Decisions ([ours], see docs/results/retrieval/README.md): longer contexts keep the
@@ -164,6 +165,7 @@ class Study:
     headline_beta: float
     headline_selectors: tuple[str, ...]
     tolerance: float  # accuracy drop (absolute) that counts as "broken" in the conclusions
+    margin: float  # accuracy difference (absolute) below which two variants count as level
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:
@@ -197,7 +199,7 @@ class Study:
             continual_batch_size=32, transfer_steps=100, transfer_lr=3e-3, lm_steps=150, lm_lr=1e-3,
             analyze_sequences=64, recency_window=4, mixer_window=8, eval_examples=512, scales=(1, 2, 4),
             betas=(0.0, 0.25, 0.5, 0.75, 1.0), mixers=mixers, seeds=seeds, headline_beta=0.5,
-            headline_selectors=("recency", "random", "layer"), tolerance=0.05,
+            headline_selectors=("recency", "random", "layer"), tolerance=0.05, margin=0.01,
         )
 
     @classmethod
@@ -210,7 +212,7 @@ class Study:
             continual_batch_size=8, transfer_steps=2, transfer_lr=3e-3, lm_steps=2, lm_lr=1e-3,
             analyze_sequences=4, recency_window=4, mixer_window=4, eval_examples=16, scales=(1, 2, 4),
             betas=(0.0, 0.5, 1.0), mixers=mixers, seeds=(0, 1), headline_beta=0.5,
-            headline_selectors=("recency", "layer"), tolerance=0.05,
+            headline_selectors=("recency", "layer"), tolerance=0.05, margin=0.01,
         )
 
     def to_dict(self) -> dict:
@@ -220,7 +222,7 @@ class Study:
 
     def unit_settings(self, task) -> dict:
         """The settings `task`'s finished units depend on (the others only decide which units exist)."""
-        grid = {"tasks", "betas", "mixers", "seeds", "headline_beta", "headline_selectors", "tolerance"}
+        grid = {"tasks", "betas", "mixers", "seeds", "headline_beta", "headline_selectors", "tolerance", "margin"}
         settings = {k: v for k, v in self.to_dict().items() if k not in grid}
         source = next((t for t in self.tasks if t.name == task.warm_start), None)
         tasks = {"task": {"seq_len": task.seq_len, **asdict(task)}}
@@ -589,10 +591,11 @@ def collect(study: Study, units: list[Unit]) -> dict:
                "variant": "original" if variant is None else variant.name,
                "selector": "original" if variant is None else variant.selector,
                "mixer": "-" if variant is None or variant.selector == "none" else variant.mixer,
-               "beta": 0.0 if variant is None else variant.beta, "groups": 0, "fraction": 0.0}
+               "beta": 0.0 if variant is None else variant.beta, "groups": 0, "fraction": 0.0, "replaced": []}
         if variant is not None:
             record = json.loads((Unit("variant", unit.task, unit.seed, variant, unit.home).path / "unit.json").read_text())
-            row.update(groups=record["groups"], fraction=record["fraction"], replaced_recency=record["replaced_recency"],
+            row.update(groups=record["groups"], fraction=record["fraction"], replaced=record["spec"]["groups"],
+                       replaced_recency=record["replaced_recency"],
                        accuracy_converted=record["accuracy_converted"], accuracy_transfer=record["accuracy_transfer"],
                        train_s=record["elapsed_s"])
         for scale in study.scales:
@@ -625,6 +628,7 @@ def summarize(rows: list[dict], scales: tuple[int, ...]) -> list[dict]:
         entry = {k: first[k] for k in ("task", "variant", "selector", "mixer", "beta", "groups", "fraction",
                                        "kv_bytes_per_token", "state_bytes")}
         entry["seeds"] = sorted(r["seed"] for r in members)
+        entry["replaced"] = [r["replaced"] for r in sorted(members, key=lambda r: r["seed"])]
         for key in ("replaced_recency", "accuracy_transfer"):
             values = [r[key] for r in members if r.get(key) is not None]
             entry[key] = statistics.fmean(values) if values else None
@@ -670,16 +674,32 @@ def find(entries: list[dict], task: str, selector: str, mixer: str, beta: float)
                  and e["mixer"] in (mixer, "-") and e["beta"] == beta), None)
 
 
+def paired(entries: list[dict], task: str, mixer: str, other: str) -> list[tuple[dict, dict]]:
+    """(recency entry, `other` entry) at every partial beta where both exist."""
+    betas = sorted({e["beta"] for e in entries if e["task"] == task and e["mixer"] == mixer and 0 < e["beta"] < 1})
+    pairs = [(find(entries, task, "recency", mixer, b), find(entries, task, other, mixer, b)) for b in betas]
+    return [(r, o) for r, o in pairs if r and o]
+
+
+def tally(pairs: list[tuple[dict, dict]], scale: int, margin: float) -> str:
+    """How often recency is ahead or behind by more than `margin`, level, or replaced the very
+    same groups; and the mean gap over the pairs that replaced different groups."""
+    same = [r["replaced"] == o["replaced"] for r, o in pairs]
+    gaps = [r[f"mean_x{scale}"] - o[f"mean_x{scale}"] for (r, o), s in zip(pairs, same) if not s]
+    text = (f"ahead {sum(g > margin for g in gaps)}, behind {sum(g < -margin for g in gaps)}, "
+            f"level (within {margin}) {sum(abs(g) <= margin for g in gaps)}")
+    if any(same):
+        text += f", same groups replaced {sum(same)}"
+    return text + (f" (mean gap {statistics.fmean(gaps):+.3f})" if gaps else "")
+
+
 def comparison(study: Study, entries: list[dict], task: str, mixer: str, other: str) -> str | None:
     """Recency selection against `other` at each partial beta: who is ahead at 1x and at the
     longest length, whether the caches are equal, and whether the headline gap exceeds the spread."""
     top = study.scales[-1]
-    betas = sorted({e["beta"] for e in entries if e["task"] == task and e["mixer"] == mixer and 0 < e["beta"] < 1})
-    pairs = [(find(entries, task, "recency", mixer, b), find(entries, task, other, mixer, b)) for b in betas]
-    pairs = [(r, o) for r, o in pairs if r and o]
+    pairs = paired(entries, task, mixer, other)
     if not pairs:
         return None
-    ahead = {k: sum(r[f"mean_x{k}"] > o[f"mean_x{k}"] for r, o in pairs) for k in (1, top)}
     detail = "; ".join(f"beta {r['beta']:.2f}: {r['mean_x1']:.3f} vs {o['mean_x1']:.3f} at 1x, "
                        f"{r[f'mean_x{top}']:.3f} vs {o[f'mean_x{top}']:.3f} at {top}x" for r, o in pairs)
     # The window mixer's state holds per-layer bookkeeping (slot positions), so spreading the
@@ -687,16 +707,29 @@ def comparison(study: Study, entries: list[dict], task: str, mixer: str, other: 
     unequal = [f"beta {r['beta']:.2f}: {r['cache_bytes_x1']:,} vs {o['cache_bytes_x1']:,} B" for r, o in pairs
                if abs(r["cache_bytes_x1"] - o["cache_bytes_x1"]) > 0.01 * r["cache_bytes_x1"]]
     cache = "equal cache (within 1%)" if not unequal else "cache not equal (" + ", ".join(unequal) + ")"
-    text = (f"recency is ahead in {ahead[1]} of {len(pairs)} betas at 1x and {ahead[top]} of {len(pairs)} at {top}x "
-            f"({cache}; {detail})")
-    headline = next(((r, o) for r, o in pairs if r["beta"] == study.headline_beta and r["std_x1"] is not None
-                     and o["std_x1"] is not None), None)
-    if headline:
-        r, o = headline
-        gap, spread = r["mean_x1"] - o["mean_x1"], r["std_x1"] + o["std_x1"]
-        text += (f". At beta {r['beta']:.2f} over {len(r['seeds'])} seeds the 1x gap {gap:+.3f} is "
-                 f"{'larger' if abs(gap) > spread else 'not larger'} than the two standard deviations summed ({spread:.3f})")
+    text = (f"over {len(pairs)} betas at {cache}, recency is at 1x {tally(pairs, 1, study.margin)}; "
+            f"at {top}x {tally(pairs, top, study.margin)}. "
+            f"{detail}")
+    for r, o in pairs:
+        if r["beta"] == study.headline_beta and r["std_x1"] is not None and o["std_x1"] is not None:
+            for scale in (1, top):
+                gap, spread = r[f"mean_x{scale}"] - o[f"mean_x{scale}"], r[f"std_x{scale}"] + o[f"std_x{scale}"]
+                text += (f". Over {len(r['seeds'])} seeds at beta {r['beta']:.2f}, the {scale}x gap {gap:+.3f} is "
+                         f"{'larger' if abs(gap) > spread else 'not larger'} than the two standard deviations summed "
+                         f"({spread:.3f})")
     return text
+
+
+def overall(study: Study, entries: list[dict]) -> list[str]:
+    """One line per control: recency against it over every task, mixer and partial beta."""
+    top, lines = study.scales[-1], []
+    for other in ("random", "inverse", "layer"):
+        pairs = [p for t in study.tasks for m in study.mixers for p in paired(entries, t.name, m, other)]
+        if pairs:
+            what = "whole layers ranked by recency" if other == "layer" else f"{other} selection"
+            lines.append(f"- **Recency-selected groups vs {what}**, over {len(pairs)} (task, mixer, beta) cells: at 1x "
+                         f"{tally(pairs, 1, study.margin)}; at {top}x {tally(pairs, top, study.margin)}.")
+    return lines
 
 
 def conclusions(study: Study, entries: list[dict]) -> list[str]:
@@ -824,11 +857,13 @@ def render_readme(results: dict, study: Study, figures: list[str], complete: boo
         if mine:
             lines += ["", f"## {task.name}", ""] + table(mine, scales)
     lines += ["", "## Accuracy against cache size", ""] + [f"![{f}]({f})" for f in figures]
-    lines += ["", "## Conclusions (computed from the table)", ""] + (conclusions(study, entries) or ["- No results yet."])
+    lines += ["", "## Conclusions (computed from the table)", ""] + overall(study, entries)
+    lines += conclusions(study, entries) or ["- No results yet."]
     lines += ["", "## Files", "",
               "- `results.json`: `rows`, one per (task, seed, variant): `accuracy_x{k}`, `example_accuracy_x{k}`, "
               "`cache_bytes_x{k}` and `tokens_x{k}` per scale k, `kv_bytes_per_token`, `state_bytes`, `groups`, "
-              "`fraction` (replaced groups / all groups; the actual fraction for `layer`), `replaced_recency` (mean RR of "
+              "`fraction` (replaced groups / all groups; the actual fraction for `layer`), `replaced` ([layer, kv_head] "
+              "pairs), `replaced_recency` (mean RR of "
               "the replaced groups), `accuracy_converted` and "
               "`accuracy_transfer` (1x, right after surgery and after the transfer stage), `train_s`; "
               "`base_models`; `study` (every setting).",
@@ -872,6 +907,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default 2, the machines' cores; --quick: 1, its matrices are too small to share)")
     parser.add_argument("--estimate", action="store_true", help="print pending units and the time they need; run nothing")
+    parser.add_argument("--report-only", action="store_true", help="write the results and README from finished units; run nothing")
     return parser.parse_args(argv)
 
 
@@ -893,12 +929,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else (default / "work" if args.quick else default)
     units = plan(study, work, args.part)
     try:
-        check_work_dir(study, work, record=not args.estimate)
+        check_work_dir(study, work, record=not (args.estimate or args.report_only))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.estimate:
         print("\n".join([f"{len(units)} units in {work}:"] + estimate(units)))
+        return 0
+    if args.report_only:
+        results = write_report(study, units, out)
+        print(f"{len(results['rows'])} result rows; wrote {out / 'README.md'}")
         return 0
     torch.set_num_threads(args.threads or (1 if args.quick else 2))
     transformers_logging.disable_progress_bar()  # one bar for the study, not one per saved or loaded model
