@@ -11,7 +11,7 @@ class WordTokenizer:
 
     eos_token_id = 0
 
-    def __call__(self, texts, add_special_tokens=False):
+    def __call__(self, texts, add_special_tokens=False, verbose=True):
         return {"input_ids": [[1 + len(word) for word in text.split()] for text in texts]}
 
 

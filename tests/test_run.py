@@ -154,7 +154,7 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     evaluation = {"hashhop_original": {"n": 24, "target_tokens": 256},
                   "mqar_original": {"n": 32, "seq_len": 256, "num_kv_pairs": 16}}
     bench = {"measurements": [{"model": "original", "context": 4096, "prefill_s": 9.5, "decode_tokens_per_s": 10.0,
-                               "kv_bytes": 180 * 2**20, "state_bytes": 0, "peak_memory_bytes": 300 * 2**20}]}
+                               "kv_bytes": 180 * 2**20, "state_bytes": 0}]}
     full = render_run_report(_metrics(False), {"beta": 0.5}, evaluation, bench)
     assert "| perplexity, held-out text (16,383 tokens) | 24.22 | 40.10 | 1.66x |" in full
     assert "| cache at 4,096 tokens | 180.0 MiB | 91.0 MiB | 0.506x |" in full
@@ -162,6 +162,7 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.46 |" in full
     assert "| lm | 960.0 |" in full
     assert "2 torch thread(s)" in full
+    assert "| original | 4,096 | 9.50 | 10.0 | 180.0 MiB | 0.0 MiB |" in full
     assert "Quick run" not in full
     assert "Quick run" in render_run_report(_metrics(True), {"beta": 0.5}, evaluation, bench)
 

@@ -160,13 +160,13 @@ def render_run_report(metrics: dict, config: dict, evaluation: dict, bench: dict
         f"cache) alternating with the converted one, fp32, batch 1, {m['bench_threads']} torch thread(s); decode "
         "speed is the median of the timed steps.",
         "",
-        "| model | context | prefill s | decode tok/s | K/V bytes | state bytes | peak memory |",
-        "|---|---|---|---|---|---|---|",
+        "| model | context | prefill s | decode tok/s | K/V | mixer state |",
+        "|---|---|---|---|---|---|",
     ]
     for r in bench["measurements"]:
         name = r["model"] if r["model"].startswith("original") else "converted"
         lines.append(f"| {name} | {r['context']:,} | {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{_mib(r['kv_bytes'])} | {_mib(r['state_bytes'])} | {_mib(r['peak_memory_bytes'])} |")
+                     f"{_mib(r['kv_bytes'])} | {_mib(r['state_bytes'])} |")
     lines += [
         "",
         "![bench](bench.png)",

@@ -197,9 +197,11 @@ def _convert(run: Run) -> dict:
 def _train_config(run: Run, stage: str, steps: int):
     from .train import TrainConfig
 
-    extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
+    # The recipe of docs/results/recovery.md: the layer-local transfer stage takes a 5x higher
+    # learning rate than the end-to-end lm stage.
+    extra = dict(trainable="mixers+lora", distill_weight=1.0, lr=1e-3) if stage == "lm" else dict(lr=5e-3)
     return TrainConfig(stage=stage, steps=steps, seq_len=run.sizes.train_seq_len, batch_size=run.sizes.train_batch,
-                       lr=1e-3, checkpoint_every=5, seed=run.config.seed, **extra)
+                       checkpoint_every=5, seed=run.config.seed, **extra)
 
 
 def _plan(run: Run) -> dict:
