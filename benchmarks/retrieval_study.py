@@ -757,11 +757,12 @@ def conclusions(study: Study, entries: list[dict]) -> list[str]:
                           key=sort_key)
             if kept:
                 floor = reference["mean_x1"] - study.tolerance
-                within = ", ".join(f"{e['beta']:.2f}" for e in kept if e["mean_x1"] >= floor) or "none"
-                below = ", ".join(f"{e['beta']:.2f}" for e in kept if e["mean_x1"] < floor) or "none"
+                within = ", ".join(f"{e['beta']:.2f}" for e in kept if e["mean_x1"] >= floor)
+                below = ", ".join(f"{e['beta']:.2f}" for e in kept if e["mean_x1"] < floor)
+                verdict = (f"fine at beta {within or 'none of those tested'}; "
+                           + (f"broken at beta {below}" if below else "broken at none of the betas tested"))
                 lines.append(f"- **{name}, {mixer}: where recency selection breaks** (1x, more than {study.tolerance:.2f} "
-                             f"below the beta-0 model's {reference['mean_x1']:.3f} after the same training): fine at beta "
-                             f"{within}; broken at beta {below}.")
+                             f"below the beta-0 model's {reference['mean_x1']:.3f} after the same training): {verdict}.")
             full = find(entries, name, "all", mixer, 1.0)
             if full:
                 lines.append(f"- **{name}, {mixer} in every group (beta 1)**: {cell(full, 1)} at 1x, {cell(full, top)} at "
