@@ -804,8 +804,9 @@ def pareto_plot(study: Study, entries: list[dict], path: Path) -> None:
     save_figure(figure, path)
 
 
-def render_readme(results: dict, study: Study, figures: list[str], complete: bool) -> str:
-    """README.md from results.json: setup, tables, plots, seeds and the computed conclusions."""
+def render_readme(results: dict, study: Study, figures: list[str], complete: bool, reading: str | None = None) -> str:
+    """README.md from results.json: setup, tables, plots, seeds and the computed conclusions,
+    then `reading` (the hand-written interpretation kept in `reading.md` beside it) if given."""
     scales = study.scales
     entries = summarize(results["rows"], scales)
     s = results["study"]
@@ -863,6 +864,9 @@ def render_readme(results: dict, study: Study, figures: list[str], complete: boo
     lines += ["", "## Accuracy against cache size", ""] + [f"![{f}]({f})" for f in figures]
     lines += ["", "## Conclusions (computed from the table)", ""] + overall(study, entries)
     lines += conclusions(study, entries) or ["- No results yet."]
+    if reading:
+        lines += ["", "## What it means", "", "(Hand-written from the numbers above; kept in `reading.md`.)", "",
+                  reading.strip()]
     lines += ["", "## Files", "",
               "- `results.json`: `rows`, one per (task, seed, variant): `accuracy_x{k}`, `example_accuracy_x{k}`, "
               "`cache_bytes_x{k}` and `tokens_x{k}` per scale k, `kv_bytes_per_token`, `state_bytes`, `groups`, "
@@ -892,7 +896,8 @@ def write_report(study: Study, units: list[Unit], out: Path) -> dict:
             plot_head_heatmap(scores, out / f"heads-{task.name}.png", select_heads(scores, study.headline_beta))
             figures.append(f"heads-{task.name}.png")
     complete = all(u.path.exists() for u in units)
-    write_text_atomic(out / "README.md", render_readme(results, study, figures, complete))
+    reading = (out / "reading.md").read_text() if (out / "reading.md").is_file() else None
+    write_text_atomic(out / "README.md", render_readme(results, study, figures, complete, reading))
     return results
 
 

@@ -79,6 +79,17 @@ def test_a_second_run_redoes_nothing(study, quick_run, capsys):
     assert [p.stat().st_mtime_ns for p in units] == before
 
 
+def test_report_only_keeps_the_hand_written_reading(study, quick_run, tmp_path):
+    root, _ = quick_run
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "reading.md").write_text("Recency beat nothing at these toy sizes.\n")
+    assert study.main(["--quick", "--work", str(root / "work"), "--out", str(out), "--report-only"]) == 0
+    readme = (out / "README.md").read_text()
+    assert "## What it means" in readme and "Recency beat nothing at these toy sizes." in readme
+    assert readme.index("## What it means") > readme.index("## Conclusions (computed from the table)")
+
+
 def test_a_work_dir_made_with_other_settings_is_refused(study, quick_run, tmp_path, capsys):
     root, _ = quick_run
     work = tmp_path / "work"
