@@ -52,6 +52,7 @@ from recurformer.tasks import align_predictions, hashhop_tokens, mqar_tokens, sc
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, train
 
 import matplotlib.pyplot as plt  # noqa: E402  (after recurformer.report, which selects the headless backend)
+import matplotlib.ticker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SELECTORS = ("recency", "random", "inverse", "layer")
@@ -782,9 +783,11 @@ def pareto_plot(study: Study, entries: list[dict], path: Path) -> None:
         mine = [e for e in entries if e["task"] == task.name]
         for col, scale in enumerate(scales):
             axis = axes[row][col]
-            for e in mine:
-                axis.scatter(e[f"cache_bytes_x{scale}"], e[f"mean_x{scale}"], color=colors[e["selector"]],
-                             marker=markers.get(e["mixer"], "^"), s=60 if e["mixer"] == "-" else 30, alpha=0.85)
+            for e in mine:  # `layer` hollow and larger: it often replaced the same groups as `recency`
+                hollow = e["selector"] == "layer"
+                axis.scatter(e[f"cache_bytes_x{scale}"], e[f"mean_x{scale}"], marker=markers.get(e["mixer"], "^"),
+                             s=60 if e["mixer"] == "-" or hollow else 30, alpha=0.85,
+                             facecolors="none" if hollow else colors[e["selector"]], edgecolors=colors[e["selector"]])
             front, best = [], -1.0
             for e in sorted(mine, key=lambda e: (e[f"cache_bytes_x{scale}"], -e[f"mean_x{scale}"])):
                 if e[f"mean_x{scale}"] > best:
@@ -793,11 +796,13 @@ def pareto_plot(study: Study, entries: list[dict], path: Path) -> None:
             if front:
                 axis.step(*zip(*front), where="post", color="black", linewidth=0.8, alpha=0.6)
             axis.set_xscale("log")
+            axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             axis.set_ylim(-0.03, 1.03)
             axis.set_title(f"{task.name}, {scale}x training length ({task.seq_len * scale} tokens)", fontsize=9)
             axis.set_xlabel("cache bytes (KV + state), batch 1")
             axis.set_ylabel("answer accuracy")
-    handles = [plt.Line2D([], [], color=c, marker="o", linestyle="", label=s) for s, c in colors.items()]
+    handles = [plt.Line2D([], [], color=c, marker="o", linestyle="", label=s, markerfacecolor="none" if s == "layer" else c)
+               for s, c in colors.items()]
     handles += [plt.Line2D([], [], color="gray", marker=m, linestyle="", label=f"mixer {k}") for k, m in markers.items() if k != "-"]
     figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, bbox_to_anchor=(0.5, -0.02))
     figure.tight_layout(rect=(0, 0.04, 1, 1))
