@@ -13,6 +13,7 @@ from recurformer.scoring import (
     groups_to_replace,
     make_scorer,
     select_heads,
+    select_layers,
 )
 from tiny_models import tiny_model
 
@@ -87,6 +88,16 @@ def test_selection_is_global_top_beta_over_groups():
     random_a = select_heads(scores, 0.5, make_scorer("random", seed=1)).groups
     assert random_a == select_heads(scores, 0.5, make_scorer("random", seed=1)).groups
     assert len(random_a) == 3
+
+
+def test_layer_selection_takes_whole_layers_by_mean_group_score():
+    scores = make_scores([[0.9, 0.7, 0.1, 0.2], [0.5, 0.5, 0.95, 0.85], [0.3, 0.3, 0.6, 0.8]])
+    # layer means: 0 -> 0.475, 1 -> 0.7, 2 -> 0.5
+    assert select_layers(scores, 0.34).groups == [(1, 0), (1, 1)]
+    spec = select_layers(scores, 0.5)  # 1.5 layers round to 2: the fraction is 2/3, not 1/2
+    assert spec.groups == [(1, 0), (1, 1), (2, 0), (2, 1)] and spec.fraction == pytest.approx(2 / 3)
+    assert select_layers(scores, 0.5, make_scorer("inverse")).groups == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert select_layers(scores, 0.0).groups == [] and select_layers(scores, 1.0).fraction == 1.0
 
 
 @pytest.mark.parametrize("beta, expected", [(0.5, 45), (0.75, 68), (0.25, 23), (0.01, 1), (0.0, 0), (1.0, 90)])

@@ -164,6 +164,29 @@ def test_bad_settings_name_the_flag(kwargs, message):
         TrainConfig(**{**base, **kwargs})
 
 
+def test_labels_restrict_the_lm_loss_to_the_labeled_tokens(tmp_path):
+    _, student, sequences = setup()
+    with torch.no_grad():
+        logits = student(sequences, use_cache=False).logits
+    # Label the last three positions with the model's own guesses: their loss is far below
+    # the loss over all tokens, so a loop that ignored the labels would be noticed.
+    labels = torch.full_like(sequences, -100)
+    labels[:, -3:] = logits[:, -4:-1].argmax(-1)
+    answers_only = torch.nn.functional.cross_entropy(logits[:, -4:-1].flatten(0, 1), labels[:, -3:].flatten()).item()
+    every_token = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), sequences[:, 1:].flatten()).item()
+    assert every_token - answers_only > 1.0
+    config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=len(sequences), trainable="all")
+    train(student, LMObjective("all"), sequences, config, tmp_path, progress=False, labels=labels)
+    assert log(tmp_path)[0]["loss"] == pytest.approx(answers_only, rel=1e-3)  # fp32 kernels differ slightly
+
+
+def test_labels_must_match_the_sequences(tmp_path):
+    _, student, sequences = setup()
+    config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=4)
+    with pytest.raises(ConfigError, match=r"labels \(16, 31\) do not match sequences \(16, 32\)"):
+        train(student, LMObjective(), sequences, config, tmp_path, progress=False, labels=sequences[:, 1:])
+
+
 def test_tokens_budget_sets_the_steps():
     assert TrainConfig(stage="lm", tokens=10_000, batch_size=4, seq_len=512).total_steps == 5
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +37,25 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield an empty staging directory beside `path`; on success rename it to `path`.
+
+    A reader (or a resumed run) sees either no `path` or a complete one. On an exception
+    the staging directory is removed; `path` must not exist yet.
+    """
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists already")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700 directories; a plain mkdir would not
+    try:
+        yield staging
+        os.replace(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -309,3 +309,24 @@ def select_heads(scores: HeadScores, beta: float, scorer: Scorer | None = None) 
         scores.num_layers, scores.num_kv_heads, chosen,
         source={"model": scores.model, "scorer": scorer.name, "beta": beta, "metric": scores.metric},
     )
+
+
+def select_layers(scores: HeadScores, beta: float, scorer: Scorer | None = None) -> ReplacementSpec:
+    """[ours] The between-layer alternative (Jamba/Samba style): whole layers are replaced.
+
+    Layers are ranked by the mean score of their KV groups under `scorer` (default:
+    recency) and the top `floor(beta * layers + 1/2)` go, every group of each. This is
+    `groups_to_replace` rounded to whole layers, so `spec.fraction` can differ from `beta`
+    when `beta * groups` is not a multiple of the groups per layer; report the fraction.
+    Ties are broken by layer index.
+    """
+    scorer = scorer or RecencyScorer()
+    ranked = scorer.score(scores)
+    per_layer = {l: sum(ranked[(l, g)] for g in range(scores.num_kv_heads)) / scores.num_kv_heads
+                 for l in range(scores.num_layers)}
+    count = groups_to_replace(scores.num_layers, beta)
+    layers = sorted(per_layer, key=lambda l: (-per_layer[l], l))[:count]
+    return ReplacementSpec(
+        scores.num_layers, scores.num_kv_heads, [(l, g) for l in layers for g in range(scores.num_kv_heads)],
+        source={"model": scores.model, "scorer": scorer.name, "beta": beta, "metric": scores.metric, "unit": "layer"},
+    )

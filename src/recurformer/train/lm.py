@@ -57,8 +57,9 @@ class LMObjective:
                 p.requires_grad_(True)
         return model.train()
 
-    def loss(self, model: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
-        out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    def loss(self, model: nn.Module, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """Next-token loss on `labels` `[b, T]` (default: every token of `input_ids` `[b, T]`)."""
+        out = model(input_ids=input_ids, labels=input_ids if labels is None else labels, use_cache=False)
         metrics = {"ce": out.loss.item()}
         if self.distill_weight == 0:
             return out.loss, metrics

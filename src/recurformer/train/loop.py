@@ -103,8 +103,9 @@ class Objective(Protocol):
     def prepare(self, model: nn.Module) -> nn.Module:
         """Freeze and wrap as the stage needs; return the module to optimize."""
 
-    def loss(self, module: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """Mean loss of `input_ids` `[b, T]` and extra metrics to log."""
+    def loss(self, module: nn.Module, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """Mean loss of `input_ids` `[b, T]` and extra metrics to log. `labels` `[b, T]`
+        (HF convention, -100 = not scored) is given only when `train` received labels."""
 
     def finish(self, module: nn.Module) -> nn.Module:
         """The model to save after training (e.g. LoRA merged)."""
@@ -191,8 +192,12 @@ def train(
     out_dir: str | Path,
     resume: bool = False,
     progress: bool = True,
+    labels: Tensor | None = None,
 ) -> dict[str, Any]:
     """Train `model` in place on `sequences` `[N, seq_len]`; checkpoints and logs in `out_dir`.
+
+    `labels` `[N, seq_len]` (HF convention, -100 = not scored), if given, go with their
+    sequences to `objective.loss`: task data whose loss counts only the answer tokens.
 
     Returns the summary (also written to `out_dir/train_summary.json`). The trained model is
     `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
@@ -210,6 +215,8 @@ def train(
     micro = per_process // config.grad_accum
     _require(micro * config.grad_accum == per_process, f"--batch-size {config.batch_size} / {world} processes is not divisible by --grad-accum {config.grad_accum}")
     _require(len(sequences) >= 1 and sequences.shape[1] == config.seq_len, "training sequences do not match --seq-len")
+    _require(labels is None or labels.shape == sequences.shape,
+             f"labels {None if labels is None else tuple(labels.shape)} do not match sequences {tuple(sequences.shape)}")
 
     set_seed(config.seed)
     module = objective.prepare(model)
@@ -242,14 +249,19 @@ def train(
     last_loss = float("nan")
     for step in range(start_step, total):
         rows = global_batch(step, len(sequences), config.batch_size, config.seed)
-        shard = sequences[rows[rank * per_process:(rank + 1) * per_process]]
+        mine = rows[rank * per_process:(rank + 1) * per_process]
+        shard = sequences[mine]
+        shard_labels = None if labels is None else labels[mine]
         step_loss = torch.zeros((), device=accelerator.device)
         metrics: dict[str, float] = {}
         for i in range(config.grad_accum):
-            batch = shard[i * micro:(i + 1) * micro].to(accelerator.device)
+            part = slice(i * micro, (i + 1) * micro)
+            batch = shard[part].to(accelerator.device)
+            # Objectives without a labels argument (e.g. transfer) keep working when none are given.
+            extra_args = () if shard_labels is None else (shard_labels[part].to(accelerator.device),)
             sync = i == config.grad_accum - 1
             with (nullcontext() if sync else accelerator.no_sync(module)), accelerator.autocast():
-                loss, extra = objective.loss(module, batch)
+                loss, extra = objective.loss(module, batch, *extra_args)
                 accelerator.backward(loss / config.grad_accum)
             step_loss += loss.detach() / config.grad_accum
             for k, v in extra.items():
