@@ -180,6 +180,14 @@ def test_labels_restrict_the_lm_loss_to_the_labeled_tokens(tmp_path):
     assert log(tmp_path)[0]["loss"] == pytest.approx(answers_only, rel=1e-3)  # fp32 kernels differ slightly
 
 
+def test_one_process_can_train_in_two_precisions(tmp_path):
+    for i, precision in enumerate(("no", "bf16", "no")):
+        _, student, sequences = setup()
+        config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=4, trainable="mixers", precision=precision)
+        summary = train(student, LMObjective("mixers"), sequences[:4], config, tmp_path / f"{i}-{precision}", progress=False)
+        assert summary["steps"] == 1
+
+
 def test_labels_must_match_the_sequences(tmp_path):
     _, student, sequences = setup()
     config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=4)

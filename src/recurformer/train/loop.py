@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -159,6 +160,19 @@ def _precision(choice: str) -> str:
     return "bf16" if _cpu_has_amx() else "no"
 
 
+def _accelerator(precision: str) -> Accelerator:
+    """An Accelerator in `precision`. accelerate keeps one state per process and refuses a
+    second precision in it, but one process may train several times in different
+    precisions (a study, a test session): a single-process state made for another
+    precision is dropped first (accelerate's `_reset_state`); a distributed one never is.
+    The schedule is stepped per optimizer step, whatever the number of processes
+    (accelerate would otherwise step it once per process)."""
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != precision and PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
+
+
 def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config: TrainConfig) -> float:
     """Measured seconds of one optimizer step of `config` in a single process.
 
@@ -203,12 +217,7 @@ def train(
     `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
     """
     out_dir = Path(out_dir)
-    # The schedule is per optimizer step, whatever the number of processes (accelerate would
-    # otherwise step it once per process).
-    accelerator = Accelerator(
-        mixed_precision=_precision(config.precision), cpu=not torch.cuda.is_available(),
-        step_scheduler_with_optimizer=False,
-    )
+    accelerator = _accelerator(_precision(config.precision))
     world, rank = accelerator.num_processes, accelerator.process_index
     per_process = config.batch_size // world
     _require(per_process * world == config.batch_size, f"--batch-size {config.batch_size} is not divisible by {world} processes")
