@@ -88,7 +88,9 @@ def test_learning_rates_reach_the_training_stages(texts, tmp_path):
     train, held_out = texts
     default = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
     chosen = Run(RunConfig(data=train, eval_data=held_out, lr=(2e-3, 2e-4)), tmp_path / "b")
-    assert [run_module._train_config(default, stage, 1).lr for stage in ("transfer", "lm")] == list(run_module.DEFAULT_LR)
+    assert [run_module._train_config(default, stage, 1).lr for stage in ("transfer", "lm")] == [5e-3, 1e-3]
+    mamba2 = Run(RunConfig(data=train, eval_data=held_out, mixer="mamba2"), tmp_path / "c")
+    assert run_module._train_config(mamba2, "lm", 1).lr == 2e-4
     assert [run_module._train_config(chosen, stage, 1).lr for stage in ("transfer", "lm")] == [2e-3, 2e-4]
     assert run_module._train_config(chosen, "lm", 1).trainable == "mixers+lora"
 

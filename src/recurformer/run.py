@@ -40,9 +40,10 @@ from .files import write_json_atomic, write_text_atomic
 
 RUN_SCHEMA = "recurformer-run/1"
 TRANSFER_SHARE = 0.35
-# The recipe of docs/results/recovery.md: the layer-local transfer stage takes a 5x higher
-# learning rate than the end-to-end lm stage.
-DEFAULT_LR = (5e-3, 1e-3)
+# (transfer, lm) learning rates per mixer. The recipe of docs/results/recovery.md: the
+# layer-local transfer stage takes a 5x higher rate than the end-to-end lm stage; mamba2's
+# lm stage diverges at 1e-3 and is stable at 2e-4 (docs/mixers.md).
+DEFAULT_LR = {"mamba": (5e-3, 1e-3), "mamba2": (5e-3, 2e-4), "window": (5e-3, 1e-3)}
 TRAIN_CORPORA = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
 EVAL_CORPORA = ("wikitext-2-raw-test.txt",)
 
@@ -72,7 +73,7 @@ class RunConfig:
     scorer: str = "recency"
     budget_minutes: float = 25.0
     steps: tuple[int, int] | None = None  # (transfer, lm): train exactly these, instead of the budget
-    lr: tuple[float, float] | None = None  # (transfer, lm) learning rates; None: the recipe's DEFAULT_LR
+    lr: tuple[float, float] | None = None  # (transfer, lm) learning rates; None: DEFAULT_LR of the mixer
     quick: bool = False
     seed: int = 0
 
@@ -102,6 +103,11 @@ class RunConfig:
         for path in [*self.data, *self.eval_data]:
             if not Path(path).is_file():
                 raise DataError(f"data file not found: {path}")
+
+    @property
+    def learning_rates(self) -> tuple[float, float]:
+        """(transfer, lm): the given ones, else the mixer's defaults."""
+        return self.lr or DEFAULT_LR[self.mixer]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -214,7 +220,7 @@ def _convert(run: Run) -> dict:
 def _train_config(run: Run, stage: str, steps: int):
     from .train import TrainConfig
 
-    lr = dict(zip(("transfer", "lm"), run.config.lr or DEFAULT_LR))[stage]
+    lr = dict(zip(("transfer", "lm"), run.config.learning_rates))[stage]
     extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
     return TrainConfig(stage=stage, steps=steps, seq_len=run.sizes.train_seq_len, batch_size=run.sizes.train_batch,
                        checkpoint_every=5, seed=run.config.seed, lr=lr, **extra)
@@ -320,7 +326,7 @@ def collect_metrics(run: Run) -> dict[str, Any]:
         "params_original": converted["original_total"], "params_converted": converted["converted_total"],
         "analyze_tokens": records["analyze"]["tokens"], "rr_median": records["analyze"]["median"],
     }
-    for stage, lr in zip(("transfer", "lm"), config.lr or DEFAULT_LR):
+    for stage, lr in zip(("transfer", "lm"), config.learning_rates):
         summary = records[stage]
         metrics.update({f"{stage}_steps": summary["steps"], f"{stage}_tokens": summary["tokens"], f"{stage}_lr": lr,
                         f"{stage}_minutes": round(summary["elapsed_s"] / 60, 2), f"{stage}_final_loss": summary["final_loss"]})
