@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import statistics
 import threading
@@ -71,14 +72,20 @@ class PeakMemory:
         self.peak = max(self.peak, self.process.memory_info().rss - self.start)
 
 
+@functools.cache
+def _libc():
+    """The C library, looked up once (`find_library` runs external tools); None if absent."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc's `malloc_trim`; a no-op elsewhere), so the
     resident set size counts live memory: glibc keeps freed tensors' pages resident for reuse."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        libc = None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 

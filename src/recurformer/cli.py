@@ -27,20 +27,16 @@ def _floats(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
-def _step_pair(text: str) -> tuple[int, int]:
-    try:
-        transfer, lm = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TRANSFER,LM step counts such as 40,16, got {text!r}") from None
-    return transfer, lm
+def _pair(convert, what: str, example: str):
+    """An argparse type for `TRANSFER,LM`: two values read by `convert`."""
+    def parse(text: str) -> tuple:
+        try:
+            transfer, lm = (convert(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected TRANSFER,LM {what} such as {example}, got {text!r}") from None
+        return transfer, lm
 
-
-def _lr_pair(text: str) -> tuple[float, float]:
-    try:
-        transfer, lm = (float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TRANSFER,LM learning rates such as 5e-3,1e-3, got {text!r}") from None
-    return transfer, lm
+    return parse
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
@@ -242,9 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixer", default="mamba", help="mixer kind")
     p.add_argument("--scorer", default="recency", help="recency | inverse | random")
     p.add_argument("--budget-minutes", type=_floats, default=25.0, help="training time of both stages together")
-    p.add_argument("--steps", type=_step_pair, metavar="TRANSFER,LM",
+    p.add_argument("--steps", type=_pair(int, "step counts", "40,16"), metavar="TRANSFER,LM",
                    help="train exactly these optimizer steps instead of --budget-minutes (equal-token comparisons)")
-    p.add_argument("--lr", type=_lr_pair, metavar="TRANSFER,LM", help="learning rates of the two stages (default 5e-3,1e-3; mamba2: 5e-3,2e-4)")
+    p.add_argument("--lr", type=_pair(float, "learning rates", "5e-3,1e-3"), metavar="TRANSFER,LM", help="learning rates of the two stages (default 5e-3,1e-3; mamba2: 5e-3,2e-4)")
     p.add_argument("--quick", action="store_true", help="tiny sizes everywhere: a smoke test, numbers not meaningful")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="run directory (re-running continues it)")
