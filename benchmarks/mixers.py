@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from recurformer.files import write_json_atomic, write_text_atomic
+from recurformer.run import DEFAULT_LR
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -43,16 +44,24 @@ def check_comparable(runs: list[dict]) -> None:
         raise SystemExit(f"error: each run must differ in mixer or learning rates, got {variants}")
 
 
+# metrics.json written before the rates were recorded: every mixer trained at these
+LEGACY_LR = (5e-3, 1e-3)
+
+
+def learning_rates(run: dict) -> tuple[float, float]:
+    return run.get("transfer_lr", LEGACY_LR[0]), run.get("lm_lr", LEGACY_LR[1])
+
+
 def label(run: dict) -> str:
-    """The mixer, and the learning rates when they are not the recipe's."""
-    lrs = (run.get("transfer_lr", 5e-3), run.get("lm_lr", 1e-3))
-    return run["mixer"] + ("" if lrs == (5e-3, 1e-3) else f" (lr {lrs[0]:g}, {lrs[1]:g})")
+    """The mixer, and the learning rates when they are not that mixer's defaults."""
+    lrs = learning_rates(run)
+    return run["mixer"] + ("" if lrs == DEFAULT_LR[run["mixer"]] else f" (lr {lrs[0]:g}, {lrs[1]:g})")
 
 
 def row(run: dict) -> dict:
     return {
         "mixer": run["mixer"], "variant": label(run), "run": run["run"],
-        "transfer_lr": run.get("transfer_lr", 5e-3), "lm_lr": run.get("lm_lr", 1e-3),
+        **dict(zip(("transfer_lr", "lm_lr"), learning_rates(run))),
         "params_ratio": run["params_converted"] / run["params_original"],
         **{k: run[k] for k in ("ppl_converted", "ppl_transfer", "ppl_final", "ppl_ratio", "hashhop_original",
                                "hashhop_final", "mqar_original", "mqar_final", "cache_bytes_final", "cache_ratio",
