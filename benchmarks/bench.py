@@ -13,7 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-from recurformer.pipeline import bench_command, convert_command, parse_contexts
+from recurformer.bench import BenchConfig, parse_contexts
+from recurformer.commands import bench_command, convert_command
+from recurformer.config import MixerConfig
+from recurformer.scoring import SelectionConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -35,11 +38,12 @@ def main() -> None:
         mixer, beta = variant.split(":")
         out = work / f"{mixer}-beta{beta}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, float(beta), str(out), mixer=mixer, force=True)
+            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta)), MixerConfig(kind=mixer),
+                            force=True)
         names[str(out)] = f"{mixer} beta {beta}"
     dirs = list(names)
-    result = bench_command(dirs, parse_contexts(args.contexts), str(RESULTS / "bench.json"),
-                           decode_steps=args.decode_steps, plot=str(RESULTS / "bench.png"), rounds=args.rounds)
+    config = BenchConfig(contexts=parse_contexts(args.contexts), decode_steps=args.decode_steps, rounds=args.rounds)
+    result = bench_command(dirs, str(RESULTS / "bench.json"), config, plot=str(RESULTS / "bench.png"))
 
     def spread(r: dict, key: str) -> str:
         return f"{r[key]:.2f}" + (f" ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})" if key + "_min" in r else "")

@@ -24,9 +24,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from recurformer.bench import new_cache  # noqa: E402
+from recurformer.commands import convert_command  # noqa: E402
+from recurformer.config import MixerConfig  # noqa: E402
 from recurformer.files import write_json_atomic  # noqa: E402
-from recurformer.pipeline import convert_command, load_converted, load_model  # noqa: E402
+from recurformer.loading import load_converted, load_model  # noqa: E402
 from recurformer.report import save_figure  # noqa: E402
+from recurformer.scoring import SelectionConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -129,7 +132,8 @@ def main() -> None:
         mixer, beta = variant.split(":")
         out = Path(args.work) / f"{mixer}-beta{beta}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, float(beta), str(out), mixer=mixer, force=True)
+            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta)), MixerConfig(kind=mixer),
+                            force=True)
         contenders[f"{mixer} beta {beta}"] = (load_converted(str(out))[0].eval(), "hybrid")
     rows = {}
     for name, (model, kind) in contenders.items():

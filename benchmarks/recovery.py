@@ -14,8 +14,9 @@ import json
 import time
 from pathlib import Path
 
+from recurformer.commands import analyze_command, convert_command, eval_command, train_command
 from recurformer.files import write_json_atomic, write_text_atomic
-from recurformer.pipeline import analyze_command, convert_command, eval_ppl_command, train_command
+from recurformer.scoring import SelectionConfig
 from recurformer.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def main() -> None:
 
     def ppl(model: str, name: str) -> dict:
         path = work / f"ppl-{name}.json"
-        return once(path, lambda: eval_ppl_command(model, EVAL, str(path), max_tokens=args.eval_tokens))
+        return once(path, lambda: eval_command(model, "ppl", str(path), data=EVAL, max_tokens=args.eval_tokens))
 
     scores = work / "scores.json"
     if not scores.exists():
@@ -55,7 +56,7 @@ def main() -> None:
     for init in ("reuse", "random"):
         converted = work / f"converted-{init}"
         if not (converted / "config.json").exists():
-            convert_command(args.model, str(scores), args.beta, str(converted), init=init, force=True)
+            convert_command(args.model, str(scores), str(converted), SelectionConfig(beta=args.beta), init=init, force=True)
         rows.append({"variant": f"init={init}", "stage": "converted, untrained", **ppl(str(converted), f"{init}-untrained")})
         transfer = work / f"transfer-{init}"
         config = TrainConfig(stage="transfer", steps=args.transfer_steps, seq_len=512, batch_size=8, lr=5e-3,

@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recurformer.ops.selective_scan import selective_scan_chunked, selective_scan_naive
+from recurformer.files import write_json_atomic
 from recurformer.ops.selective_scan import chunked as chunked_module
+from recurformer.ops.selective_scan import selective_scan_chunked, selective_scan_naive
 from recurformer.ops.ssd import ssd_chunked, ssd_naive
 from recurformer.ops.ssd.chunked import DEFAULT_CHUNK as SSD_CHUNK
 
@@ -249,12 +250,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def write_json(data: dict, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def timings(naive, chunked, length: int, make_inputs, args) -> dict:
     """Median forward and forward + backward times of both scans at one length."""
     row = {"length": length}
@@ -358,7 +353,7 @@ def main() -> None:
         data["ssd"] = ssd_part(lengths, args, gflops)
     data.update(torch_version=torch.__version__, cpu=cpu_name(), cpu_count=os.cpu_count())
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(data, out)
+    write_json_atomic(out, data)
     plot(data, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from recurformer.files import write_json_atomic
-from recurformer.pipeline import load_converted, load_model
+from recurformer.loading import load_converted, load_model
 from recurformer.train.lm import LMObjective
-from recurformer.train.loop import _precision
+from recurformer.train.loop import resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
-    autocast = _precision("auto") == "bf16"
+    autocast = resolve_precision("auto") == "bf16"
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 49152, (args.batch_size, args.seq_len), generator=generator) for _ in range(args.steps + 1)]
     rows = []

@@ -1,7 +1,6 @@
 """Shared fixtures; the tiny models themselves are built in tiny_models.py."""
 
 import pytest
-
 from tiny_models import ARCHITECTURES
 
 

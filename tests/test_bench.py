@@ -1,13 +1,12 @@
 import json
 
 import pytest
-
 import torch
+from tiny_models import save_tiny_model, spec_for, tiny_model
 
 from recurformer.bench import PeakMemory, compare, max_context, median_measurements
 from recurformer.cli import main
 from recurformer.surgery import convert
-from tiny_models import save_tiny_model, spec_for, tiny_model
 
 
 def test_compare_measures_every_contender_and_ratio():

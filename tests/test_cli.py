@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
+from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM
 
 import recurformer  # noqa: F401
 from recurformer.cli import main
-from tiny_models import save_tiny_model
 
 TEXT = " = Doc = \n" + " ".join(["the quick brown fox jumps over the lazy dog ."] * 400) + "\n"
 

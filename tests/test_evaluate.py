@@ -1,13 +1,16 @@
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import spec_for, tiny_model, tiny_tokenizer
 from transformers.modeling_outputs import CausalLMOutput
 
-from recurformer.evaluate import hashhop_accuracy, mqar_accuracy, perplexity, windows
+from recurformer.config import ConfigError
+from recurformer.evaluate import TASKS, RunSettings, lookup_task, make_options
+from recurformer.evaluate.hashhop import hashhop_accuracy
+from recurformer.evaluate.mqar import mqar_accuracy
+from recurformer.evaluate.perplexity import perplexity, windows
 from recurformer.surgery import convert
-from tiny_models import spec_for, tiny_model, tiny_tokenizer
 
 TOY_TASKS = Path(__file__).parent / "data" / "lm_eval_toy"
 
@@ -81,7 +84,7 @@ metric_list:
 def test_lm_eval_adapter_runs_a_local_task(tmp_path, monkeypatch):
     """A two-choice task defined in local files: lm-eval runs without the hub."""
     pytest.importorskip("lm_eval")
-    from recurformer.lm_eval_adapter import run_lm_eval
+    from recurformer.evaluate.lm_eval import run_lm_eval
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "toy.yaml").write_text(TOY_TASK.format(data=TOY_TASKS / "recurformer_toy.jsonl"))
@@ -90,3 +93,41 @@ def test_lm_eval_adapter_runs_a_local_task(tmp_path, monkeypatch):
     result = run_lm_eval(converted, tiny_tokenizer(), "recurformer_toy", include_path=str(tmp_path), batch_size=2)
     assert 0.0 <= result["recurformer_toy/acc,none"] <= 1.0
     assert result["task"] == "lm-eval:recurformer_toy"
+
+
+def test_every_task_module_registers_itself():
+    assert {"ppl", "hashhop", "mqar", "lm-eval"} <= set(TASKS)
+    for task in TASKS.values():
+        assert task.summary and task.option_names()
+        if task.run_options is not None:  # `run` uses it: its options for a full and a quick run are valid
+            for quick in (False, True):
+                assert isinstance(task.run_options(RunSettings(quick, ["held-out.txt"], 0)), task.options)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("perplexity", "--task: unknown 'perplexity'; choose one of"),
+    ("ppl:extra", "--task: unknown 'ppl:extra'"),
+    ("lm-eval", "--task: unknown 'lm-eval'"),
+])
+def test_unknown_task_names_list_the_known_ones(spec, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        lookup_task(spec)
+    assert "lm-eval:<tasks>" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_option_of_another_task_is_refused():
+    task, argument = lookup_task("hashhop")
+    assert argument == {}
+    with pytest.raises(ConfigError, match="--kv-pairs does not apply to --task hashhop"):
+        make_options(task, {"kv_pairs": 4})
+    assert make_options(task, {"problems": 3, "stride": None}).problems == 3  # None: not given
+
+
+def test_the_argument_after_the_colon_sets_the_tasks_option():
+    task, argument = lookup_task("lm-eval:hellaswag,piqa")
+    assert task.name == "lm-eval" and make_options(task, argument).tasks == "hellaswag,piqa"
+
+
+def test_ppl_needs_text():
+    with pytest.raises(ConfigError, match="--task ppl needs --data FILE"):
+        make_options(TASKS["ppl"], {})

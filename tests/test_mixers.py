@@ -3,7 +3,6 @@ padding and gradients. Kind-specific checks live in test_<kind>_mixer.py."""
 
 import pytest
 import torch
-
 from mixer_cases import CONFIGS, D_IN, make_mixer, positions_for, rope
 
 

@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import MIXERS, spec_for, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import recurformer  # noqa: F401  (registers the Auto classes)
@@ -9,8 +10,6 @@ from recurformer.cache import HybridCache
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.modeling import UnsupportedArchitectureError
 from recurformer.surgery import convert, parameter_report
-
-from tiny_models import MIXERS, spec_for, tiny_model
 
 
 def logits(model, ids, **kwargs):

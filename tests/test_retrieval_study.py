@@ -14,11 +14,15 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "retrieval_stud
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("retrieval_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling modules, as when it runs
+    try:
+        spec = importlib.util.spec_from_file_location("retrieval_study", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def test_outputs_are_complete_and_well_formed(study, quick_run):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     readme = (out / "README.md").read_text()
     assert "All planned units are finished." in readme and "## Conclusions" in readme
-    entries = study.summarize(results["rows"], config.scales)
+    entries = sys.modules["retrieval_report"].summarize(results["rows"], config.scales)
     table_rows = [line for line in readme.splitlines()
                   if line.startswith("| ") and line.count("|") == 14 and not line.startswith("| selection")]
     assert len(table_rows) == len(entries)

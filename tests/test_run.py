@@ -2,20 +2,21 @@
 the step-time probe, the report, and `recurformer generate`."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny_model, spec_for, tiny_model
 
-import recurformer.run as run_module
 from recurformer.cli import main
 from recurformer.config import ConfigError, MixerConfig
 from recurformer.data import DataError
 from recurformer.hub import ModelResolutionError
+from recurformer.metrics import by_key
+from recurformer.pipeline import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline
 from recurformer.report import render_run_report
-from recurformer.run import Run, RunConfig, run_pipeline
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, seconds_per_step
-from tiny_models import save_tiny_model, spec_for, tiny_model
 
 
 @pytest.fixture
@@ -79,7 +80,8 @@ def test_fixed_steps_replace_the_time_budget(texts, tmp_path):
     train, held_out = texts
     run = Run(RunConfig(data=train, eval_data=held_out, steps=(3, 7)), tmp_path / "run")
     run.claim(force=False)
-    assert run_module._plan(run) == {"transfer_steps": 3, "lm_steps": 7}  # no timing probe, no model loaded
+    plan = dict((name, stage) for name, stage, _ in STAGES)["plan"]
+    assert plan(run) == {"transfer_steps": 3, "lm_steps": 7}  # no timing probe, no model loaded
     with pytest.raises(ConfigError, match=r"\(steps: \[3, 7\] there, \[3, 8\] here\)"):
         Run(RunConfig(data=train, eval_data=held_out, steps=(3, 8)), tmp_path / "run").claim(force=False)
 
@@ -88,11 +90,11 @@ def test_learning_rates_reach_the_training_stages(texts, tmp_path):
     train, held_out = texts
     default = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
     chosen = Run(RunConfig(data=train, eval_data=held_out, lr=(2e-3, 2e-4)), tmp_path / "b")
-    assert [run_module._train_config(default, stage, 1).lr for stage in ("transfer", "lm")] == [5e-3, 1e-3]
+    assert [default.train_config(stage, 1).lr for stage in ("transfer", "lm")] == [5e-3, 1e-3]
     mamba2 = Run(RunConfig(data=train, eval_data=held_out, mixer="mamba2"), tmp_path / "c")
-    assert run_module._train_config(mamba2, "lm", 1).lr == 2e-4
-    assert [run_module._train_config(chosen, stage, 1).lr for stage in ("transfer", "lm")] == [2e-3, 2e-4]
-    assert run_module._train_config(chosen, "lm", 1).trainable == "mixers+lora"
+    assert mamba2.train_config("lm", 1).lr == 2e-4
+    assert [chosen.train_config(stage, 1).lr for stage in ("transfer", "lm")] == [2e-3, 2e-4]
+    assert chosen.train_config("lm", 1).trainable == "mixers+lora"
 
 
 def test_cli_steps_must_be_a_pair(texts, tmp_path, capsys):
@@ -111,7 +113,7 @@ def test_a_foreign_non_empty_directory_is_refused(texts, tmp_path):
         Run(RunConfig(data=train, eval_data=held_out), tmp_path / "taken").claim(force=False)
 
 
-def test_an_interrupted_run_continues_where_it_stopped(texts, tmp_path, monkeypatch):
+def test_an_interrupted_run_continues_where_it_stopped(texts, tmp_path):
     train, held_out = texts
     calls = {"first": 0, "second": 0, "last": 0}
     interrupt = {"armed": True}
@@ -132,15 +134,15 @@ def test_an_interrupted_run_continues_where_it_stopped(texts, tmp_path, monkeypa
         (run.out / "metrics.json").write_text(json.dumps({"done": run.record("second")["value"]}))
         return {}
 
-    monkeypatch.setattr(run_module, "stages", lambda run: [("first", first, 1.0), ("second", second, 1.0), ("last", last, 1.0)])
+    stages = [("first", first, 1.0), ("second", second, 1.0), ("last", last, 1.0)]
     config = RunConfig(data=train, eval_data=held_out)
     with pytest.raises(KeyboardInterrupt):
-        run_pipeline(config, tmp_path / "run", progress=False)
+        run_pipeline(config, tmp_path / "run", progress=False, stages=stages)
     assert calls == {"first": 1, "second": 1, "last": 0}
     assert not (tmp_path / "run" / "stages" / "second.json").exists()
-    assert run_pipeline(config, tmp_path / "run", progress=False) == {"done": 2}
+    assert run_pipeline(config, tmp_path / "run", progress=False, stages=stages) == {"done": 2}
     assert calls == {"first": 1, "second": 2, "last": 1}
-    run_pipeline(config, tmp_path / "run", progress=False)  # everything done: nothing runs again
+    run_pipeline(config, tmp_path / "run", progress=False, stages=stages)  # everything done: nothing runs again
     assert calls == {"first": 1, "second": 2, "last": 1}
     assert json.loads((tmp_path / "run" / "stages" / "first.json").read_text())["value"] == 1
 
@@ -167,11 +169,12 @@ def test_step_time_probe_leaves_the_model_untouched(stage):
 def _metrics(quick: bool) -> dict:
     return {
         "quick": quick, "model": "tiny", "beta": 0.5, "mixer": "mamba", "scorer": "recency", "replaced_groups": 45,
-        "replaced_fraction": 0.5, "params_original": 134_515_008, "params_converted": 141_016_000,
+        "replaced_fraction": 0.5, "params_original": 134_515_008, "params_converted": 141_016_000, "params_ratio": 1.048,
         "analyze_tokens": 16384, "rr_median": 0.27, "transfer_steps": 40, "transfer_tokens": 163_840,
         "transfer_minutes": 8.5, "lm_steps": 20, "lm_tokens": 81_920, "lm_minutes": 16.0, "ppl_original": 24.22,
         "ppl_converted": 5139.0, "ppl_transfer": 83.7, "ppl_final": 40.1, "ppl_tokens": 16383, "ppl_ratio": 40.1 / 24.22,
-        "hashhop_original": 0.25, "hashhop_final": 0.125, "mqar_original": 0.12, "mqar_final": 0.03,
+        "hashhop_original": 0.25, "hashhop_final": 0.125, "hashhop_problems": 24, "hashhop_context": 256,
+        "mqar_original": 0.12, "mqar_final": 0.03, "mqar_problems": 32, "mqar_context": 256, "mqar_kv_pairs": 16,
         "bench_context": 4096, "bench_threads": 2, "cache_bytes_original": 180 * 2**20, "cache_bytes_final": 91 * 2**20,
         "cache_ratio": 0.506, "decode_tokens_per_s_original": 10.0, "decode_tokens_per_s_final": 14.0,
         "decode_speedup": 1.4, "decode_speedup_vs_static_cache": 1.1, "prefill_time_ratio": 0.9,
@@ -181,20 +184,44 @@ def _metrics(quick: bool) -> dict:
 
 
 def test_report_states_the_numbers_and_flags_quick_runs():
-    evaluation = {"hashhop_original": {"n": 24, "target_tokens": 256},
-                  "mqar_original": {"n": 32, "seq_len": 256, "num_kv_pairs": 16}}
+    metrics, rows = metric_table()
     bench = {"measurements": [{"model": "original", "context": 4096, "prefill_s": 9.5, "decode_tokens_per_s": 10.0,
                                "kv_bytes": 180 * 2**20, "state_bytes": 0}]}
-    full = render_run_report(_metrics(False), {"beta": 0.5}, evaluation, bench)
+    full = render_run_report(_metrics(False), by_key(metrics), rows, {"beta": 0.5}, bench)
     assert "| perplexity, held-out text (16,383 tokens) | 24.22 | 40.10 | 1.66x |" in full
+    assert "| HashHop, 1 hop, exact match (24 problems, ~256 tokens) | 25% | 12% | |" in full
+    assert "| MQAR, token accuracy (32 sequences of 256 tokens, 16 pairs) | 12% | 3% | |" in full
     assert "| cache at 4,096 tokens | 180.0 MiB | 91.0 MiB | 0.506x |" in full
     assert "1.40x (1.10x vs a static cache)" in full
+    assert "| prefill time at 4,096 tokens | | | 0.90x |" in full
+    assert "| longest context whose cache fits 1,024.0 MiB | 23,301 | 46,573 | |" in full
+    assert "| parameters | 134.5M | 141.0M | 1.048x |" in full
     assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.46 |" in full
     assert "| lm | 960.0 |" in full
     assert "2 torch thread(s)" in full
     assert "| original | 4,096 | 9.50 | 10.0 | 180.0 MiB | 0.0 MiB |" in full
     assert "Quick run" not in full
-    assert "Quick run" in render_run_report(_metrics(True), {"beta": 0.5}, evaluation, bench)
+    assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench)
+
+
+def test_every_metric_key_is_declared_once_and_documented():
+    metrics, rows = metric_table()
+    table = by_key(metrics)  # raises on a key declared twice
+    shown = {key for row in rows for key in (row.original, row.converted, row.ratio, row.note) if key}
+    assert shown <= set(table)
+    documented = (Path(__file__).parent.parent / "docs" / "run.md").read_text()
+    missing = [key for key in table if f"`{key}`" not in documented and not key.startswith("seconds_")]
+    assert not missing, f"metrics.json keys not documented in docs/run.md: {missing}"
+
+
+def test_a_run_directory_of_an_older_schema_is_refused_with_what_to_do(texts, tmp_path):
+    train, held_out = texts
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"schema": "recurformer-run/1", "config": {}}))
+    with pytest.raises(ConfigError, match=r"made by an older recurformer \(recurformer-run/1\); start it over with --force"):
+        Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=False)
+    Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=True)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["schema"] == RUN_SCHEMA
 
 
 def test_generate_command_continues_a_prompt_greedily(tmp_path, capsys):

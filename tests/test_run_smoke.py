@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from recurformer.pipeline import RUN_SCHEMA
+
 pytestmark = [pytest.mark.real_model, pytest.mark.smoke]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +36,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert "wrote" in done.stdout and "report.md" in done.stdout
 
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["schema"] == "recurformer-run/1" and metrics["quick"] is True
+    assert metrics["schema"] == RUN_SCHEMA and metrics["quick"] is True
     for key in ("ppl_original", "ppl_final", "cache_ratio", "decode_speedup", "prefill_time_ratio"):
         assert isinstance(metrics[key], float) and math.isfinite(metrics[key]) and metrics[key] > 0, key
     for key in ("hashhop_original", "hashhop_final", "mqar_original", "mqar_final"):

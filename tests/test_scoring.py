@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from recurformer.config import ConfigError
 from recurformer.scoring import (
@@ -15,7 +16,6 @@ from recurformer.scoring import (
     select_heads,
     select_layers,
 )
-from tiny_models import tiny_model
 
 
 def reference_statistics(attentions, window):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import MIXERS, spec_for, tiny_model
 
 from recurformer.config import ConfigError, MixerConfig
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TrainingDiverged, TransferObjective, train
-from tiny_models import MIXERS, spec_for, tiny_model
 
 SEQ = 32
 

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from mixer_cases import D_IN, HEADS, positions_for, rope
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer import HeadShape, MixerConfig, WindowMixer
 from recurformer.config import ConfigError
 from recurformer.mixers import ReplacedHeads
-
-from mixer_cases import D_IN, HEADS, positions_for, rope
 
 
 def make_window(window, sinks, heads=HEADS, seed=0):

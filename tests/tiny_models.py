@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from recurformer.config import MixerConfig, ReplacementSpec
+from recurformer.config import MIXER_KINDS, MixerConfig, ReplacementSpec
 
 COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
 
@@ -26,13 +26,9 @@ ARCHITECTURES = {
 }
 
 
-# One small config per mixer kind; the window is shorter than most test sequences, so its
-# ring buffer wraps.
-MIXERS = {
-    "mamba": MixerConfig(),
-    "mamba2": MixerConfig(kind="mamba2", ssd_chunk=16),
-    "window": MixerConfig(kind="window", window=16, sinks=2),
-}
+# One small config per registered mixer kind (each kind reads only its own fields): the
+# window is shorter than most test sequences, so a ring buffer wraps; SSD chunks are short.
+MIXERS = {kind: MixerConfig(kind=kind, window=16, sinks=2, ssd_chunk=16) for kind in MIXER_KINDS}
 
 
 def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):

@@ -6,6 +6,7 @@ classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads a converted model.
 
 from .cache import HybridCache
 from .config import ConfigError, MixerConfig, ReplacementSpec
+from .errors import RecurformerError
 from .hub import resolve_model
 from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, build_mixer
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM
@@ -27,6 +28,7 @@ __all__ = [
     "MixerConfig",
     "RecurFormerConfig",
     "RecurFormerForCausalLM",
+    "RecurformerError",
     "ReplacementSpec",
     "WindowMixer",
     "analyze",

@@ -21,12 +21,41 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
 import psutil
 import torch
 from transformers import DynamicCache, StaticCache
 
 from .cache import HybridCache
+from .config import ConfigError, option, require
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    """`--context 512,2048,8192` -> (512, 2048, 8192)."""
+    try:
+        contexts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--context: expected comma-separated integers, got {text!r}") from None
+    require(bool(contexts) and min(contexts) >= 1, f"--context: expected positive integers, got {text!r}")
+    return contexts
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `bench` measures: the contexts, the decode steps timed, the rounds."""
+
+    contexts: tuple[int, ...] = option((512, 2048, 8192), "comma-separated context lengths", flag="--context",
+                                       parse=parse_contexts)
+    decode_steps: int = option(32, "timed decode steps (the median is reported)")
+    rounds: int = option(1, "repeat every measurement; ratios are medians over rounds")
+    budget_gib: float = option(1.0, "cache budget (GiB) for the longest-context column")
+
+    def __post_init__(self) -> None:
+        require(bool(self.contexts) and min(self.contexts) >= 1, f"--context: expected positive integers, got {self.contexts}")
+        require(self.decode_steps >= 1, f"--decode-steps must be >= 1, got {self.decode_steps}")
+        require(self.rounds >= 1, f"--rounds must be >= 1, got {self.rounds}")
+        require(self.budget_gib > 0, f"--budget-gib must be > 0, got {self.budget_gib}")
 
 
 @dataclass
@@ -213,3 +242,16 @@ def median_measurements(result: dict) -> list[dict]:
             row[field] = statistics.median(m[field] for m in members)
         out.append(row)
     return out
+
+
+def against_original(converted: dict[str, Any], original, config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """`compare` the converted models (`name -> model`) with their original, which runs
+    with transformers' dynamic cache (`original`) and with a static cache
+    (`original+static-cache`); both are baselines."""
+    limit = original.config.max_position_embeddings
+    if max(config.contexts) + config.decode_steps + 8 > limit:
+        raise ConfigError(f"--context {max(config.contexts)} plus decoding exceeds the model's {limit} positions")
+    contenders = {"original": (original.eval(), "dynamic"), "original+static-cache": (original, "static")}
+    contenders.update({name: (model.eval(), "hybrid") for name, model in converted.items()})
+    return compare(contenders, ["original", "original+static-cache"], list(config.contexts), config.decode_steps,
+                   budget_bytes=int(config.budget_gib * (1 << 30)), rounds=config.rounds, progress=progress)

@@ -6,20 +6,36 @@ Errors name the field and the bad value, so that a CLI can print them as one lin
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-MIXER_KINDS = ("mamba", "mamba2", "window")
+from .errors import RecurformerError
+
+MIXER_KINDS: list[str] = []  # filled as each mixer kind registers (mixers.base.register_mixer)
 SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
 
 
-class ConfigError(ValueError):
+class ConfigError(RecurformerError, ValueError):
     """A configuration value is out of range or of the wrong kind."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise `ConfigError(message)` unless `ok`: the one-line check every config uses."""
     if not ok:
         raise ConfigError(message)
+
+
+def option(default: Any = None, help: str = "", factory: Callable[[], Any] | None = None, **extra: Any) -> Any:
+    """A dataclass field that is also a command-line flag: its default (or a `factory` that
+    makes it), its `--help` text, and optional argparse details (`flag`, `metavar`, `parse`).
+    The command line is generated from these fields, so each default is defined here once."""
+    metadata = {"help": help, **extra}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -42,7 +58,7 @@ class MixerConfig:
     the first `sinks` tokens (see docs/mixers.md).
     """
 
-    kind: str = "mamba"
+    kind: str = option("mamba", "what replaces the heads (docs/mixers.md)", flag="--mixer")
     d_state: int = 16  # mamba: state size per channel
     d_conv: int = 4  # mamba, mamba2: causal conv width
     expand: float = 1.0  # mamba
@@ -56,29 +72,41 @@ class MixerConfig:
     ssd_state: int | str = "head_dim"  # mamba2: state size N per head; "head_dim": N = head_dim
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
-    window: int = 64  # window: tokens attended before and including the current one
-    sinks: int = 4  # window: first tokens of the sequence every query also attends ("attention sinks")
+    window: int = option(64, "window mixer: tokens each query attends back, itself included", kinds=("window",))
+    sinks: int = option(4, "window mixer: first tokens every query also attends (attention sinks)", kinds=("window",))
 
     def __post_init__(self) -> None:
-        _require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
-        _require(_is_int(self.d_state, 1), f"d_state must be a positive integer, got {self.d_state!r}")
-        _require(_is_int(self.d_conv, 1), f"d_conv must be a positive integer, got {self.d_conv!r}")
-        _require(isinstance(self.expand, (int, float)) and self.expand > 0, f"expand must be > 0, got {self.expand!r}")
-        _require(
+        require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
+        require(_is_int(self.d_state, 1), f"d_state must be a positive integer, got {self.d_state!r}")
+        require(_is_int(self.d_conv, 1), f"d_conv must be a positive integer, got {self.d_conv!r}")
+        require(isinstance(self.expand, (int, float)) and self.expand > 0, f"expand must be > 0, got {self.expand!r}")
+        require(
             self.dt_rank == "auto" or _is_int(self.dt_rank, 1),
             f"dt_rank must be 'auto' or a positive integer, got {self.dt_rank!r}",
         )
-        _require(0 < self.dt_min <= self.dt_max, f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min!r}, dt_max={self.dt_max!r}")
-        _require(self.dt_init_floor > 0, f"dt_init_floor must be > 0, got {self.dt_init_floor!r}")
-        _require(self.scan_backend in SCAN_BACKENDS, f"scan_backend: unknown {self.scan_backend!r}; choose one of {', '.join(SCAN_BACKENDS)}")
-        _require(
+        require(0 < self.dt_min <= self.dt_max, f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min!r}, dt_max={self.dt_max!r}")
+        require(self.dt_init_floor > 0, f"dt_init_floor must be > 0, got {self.dt_init_floor!r}")
+        require(self.scan_backend in SCAN_BACKENDS, f"scan_backend: unknown {self.scan_backend!r}; choose one of {', '.join(SCAN_BACKENDS)}")
+        require(
             self.ssd_state == "head_dim" or _is_int(self.ssd_state, 1),
             f"ssd_state must be 'head_dim' or a positive integer, got {self.ssd_state!r}",
         )
-        _require(_is_int(self.ssd_chunk, 1), f"ssd_chunk must be a positive integer, got {self.ssd_chunk!r}")
-        _require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
-        _require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
-        _require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+        require(_is_int(self.ssd_chunk, 1), f"ssd_chunk must be a positive integer, got {self.ssd_chunk!r}")
+        require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
+        require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
+        require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+
+    @classmethod
+    def from_flags(cls, kind: str, **given: Any) -> "MixerConfig":
+        """The config of `kind` with the command-line values `given` (None: not given); a
+        value for a field that `kind` does not read is an error rather than ignored."""
+        given = {name: value for name, value in given.items() if value is not None}
+        config = cls(kind=kind, **given)
+        readers = {f.name: f.metadata.get("kinds") for f in fields(cls)}
+        for name in given:
+            require(readers[name] is None or kind in readers[name],
+                    f"--{name} applies to --mixer {' or '.join(readers[name] or ())}, not --mixer {kind}")
+        return config
 
     def inner_width(self, d_out: int) -> int:
         """Channels of the recurrence for a mixer producing `d_out` channels."""
@@ -98,7 +126,7 @@ class MixerConfig:
     def from_dict(cls, data: dict[str, Any]) -> "MixerConfig":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
-        _require(not unknown, f"mixer config: unknown field(s) {', '.join(unknown)}")
+        require(not unknown, f"mixer config: unknown field(s) {', '.join(unknown)}")
         return cls(**data)
 
 
@@ -118,20 +146,20 @@ class ReplacementSpec:
     source: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.num_layers, int) and self.num_layers >= 1, f"replacement spec: num_layers must be a positive integer, got {self.num_layers!r}")
-        _require(isinstance(self.num_kv_heads, int) and self.num_kv_heads >= 1, f"replacement spec: num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
+        require(isinstance(self.num_layers, int) and self.num_layers >= 1, f"replacement spec: num_layers must be a positive integer, got {self.num_layers!r}")
+        require(isinstance(self.num_kv_heads, int) and self.num_kv_heads >= 1, f"replacement spec: num_kv_heads must be a positive integer, got {self.num_kv_heads!r}")
         groups = []
         for item in self.groups:
-            _require(
+            require(
                 isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in item),
                 f"replacement spec: each group must be a [layer, kv_head] pair of integers, got {item!r}",
             )
             layer, head = item
-            _require(0 <= layer < self.num_layers, f"replacement spec: layer {layer} out of range [0, {self.num_layers})")
-            _require(0 <= head < self.num_kv_heads, f"replacement spec: kv_head {head} of layer {layer} out of range [0, {self.num_kv_heads})")
+            require(0 <= layer < self.num_layers, f"replacement spec: layer {layer} out of range [0, {self.num_layers})")
+            require(0 <= head < self.num_kv_heads, f"replacement spec: kv_head {head} of layer {layer} out of range [0, {self.num_kv_heads})")
             groups.append((layer, head))
         duplicates = sorted({g for g in groups if groups.count(g) > 1})
-        _require(not duplicates, f"replacement spec: duplicate group(s) {duplicates}")
+        require(not duplicates, f"replacement spec: duplicate group(s) {duplicates}")
         self.groups = sorted(groups)
 
     @property
@@ -156,12 +184,12 @@ class ReplacementSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ReplacementSpec":
-        _require(isinstance(data, dict), f"replacement spec: expected a JSON object, got {type(data).__name__}")
+        require(isinstance(data, dict), f"replacement spec: expected a JSON object, got {type(data).__name__}")
         missing = [k for k in ("num_layers", "num_kv_heads", "groups") if k not in data]
-        _require(not missing, f"replacement spec: missing field(s) {', '.join(missing)}")
+        require(not missing, f"replacement spec: missing field(s) {', '.join(missing)}")
         unknown = sorted(set(data) - {"num_layers", "num_kv_heads", "groups", "source"})
-        _require(not unknown, f"replacement spec: unknown field(s) {', '.join(unknown)}")
-        _require(isinstance(data["groups"], list), f"replacement spec: groups must be a list, got {type(data['groups']).__name__}")
+        require(not unknown, f"replacement spec: unknown field(s) {', '.join(unknown)}")
+        require(isinstance(data["groups"], list), f"replacement spec: groups must be a list, got {type(data['groups']).__name__}")
         return cls(data["num_layers"], data["num_kv_heads"], [tuple(g) if isinstance(g, list) else g for g in data["groups"]], data.get("source"))
 
     @classmethod

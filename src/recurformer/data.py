@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .errors import RecurformerError
+
 _ARTICLE_HEADING = re.compile(r"^ = [^=].* = $")
 
 
-class DataError(ValueError):
+class DataError(RecurformerError, ValueError):
     """A data file is missing, empty or malformed, or a length does not fit the model."""
 
 

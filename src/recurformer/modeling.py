@@ -22,13 +22,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .attention import HybridAttention
 from .cache import HybridCache
 from .config import ConfigError, MixerConfig, ReplacementSpec
+from .errors import RecurformerError
 
 # model_type -> how to read its attention layout. Llama carries one `attention_bias` flag
 # for q/k/v/o; Qwen2 has biases on q/k/v only; Mistral has none.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(RecurformerError, ValueError):
     """The base model's architecture is not one RecurFormer can convert."""
 
 

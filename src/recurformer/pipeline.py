@@ -1,332 +1,472 @@
-"""The commands behind the CLI, as typed functions. Every input is checked before any long
-work starts or any file is written; outputs are written atomically."""
+"""`recurformer run`: the whole method on one model, as resumable stages, ending in a report.
+
+Stages, in order (each writes its outputs atomically and then a marker
+`stages/<name>.json`; a re-run skips every stage whose marker exists, and a training stage
+interrupted mid-way resumes from its last checkpoint):
+
+1. `resolve`   the model (fetched once into the local cache if it is a known name)
+2. `analyze`   recency ratio of every head on the training text -> scores.json, heads.png
+3. `convert`   replace the top-beta KV groups -> converted/
+4. `plan`      measure one training step of each stage and turn the time budget into steps
+               (or take `steps` as given)
+5. `transfer`  train the mixers to reproduce the replaced heads -> transfer/
+6. `lm`        end-to-end next-token training with distillation -> final/
+7. `evaluate`  every evaluation task that `run` uses (see `evaluate`), original vs converted
+8. `bench`     cache bytes, prefill time and decode speed against the original
+9. `report`    report.md, metrics.json and plots
+
+The stages share one `Run`: its configuration, the paths of its directory (`RunLayout`),
+and the models and data it has loaded, so that a stage reuses what an earlier one holds.
+
+[ours] The time budget (`budget_minutes`) is the training time. The `plan` stage times one
+optimizer step of each training stage on a copy of the model and fixes the step counts
+(35% of the budget for `transfer`, 65% for `lm`), so a re-run trains exactly the same
+steps whatever the machine's load is then; `steps` fixes them instead (to compare runs at
+equal tokens). `run.json` records the configuration; a directory made by another
+configuration is refused before any work starts.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import AutoConfig
 
-from .config import ConfigError, MixerConfig
-from .data import check_length, load_documents, token_sequences, tokenize_documents
-from .evaluate import hashhop_accuracy, mqar_accuracy, perplexity
-from .files import write_json_atomic
-from .hub import resolve_model
+from .bench import BenchConfig, against_original
+from .config import ConfigError, MixerConfig, option, require
+from .data import DataError, load_documents, token_sequences
+from .evaluate import TASKS, RunSettings, Task
+from .files import write_json_atomic, write_text_atomic
+from .hub import locate, resolve_model
+from .loading import load_converted, load_model, portable_name, save_model
+from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect
+from .mixers import MIXERS
 from .modeling import check_architecture
-from .bench import compare
-from .report import plot_bench, plot_head_heatmap
-from .scoring import DEFAULT_WINDOWS, HeadScores, analyze, groups_to_replace, make_scorer, select_heads
-from .surgery import INITS, convert, model_fingerprint, parameter_report
-from .train import LMObjective, TrainConfig, TransferObjective, train
-from .train.loop import CHECKPOINT
+from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
+from .scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
+from .surgery import convert, parameter_report
+from .train import CHECKPOINT, LMObjective, TrainConfig, TransferObjective, seconds_per_step, train_stage
+
+RUN_SCHEMA = "recurformer-run/2"
+TRANSFER_SHARE = 0.35
+TRAIN_CORPORA = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
+EVAL_CORPORA = ("wikitext-2-raw-test.txt",)
+DATA_ENV = "RECURFORMER_DATA"
 
 
-def load_model(name_or_path: str, progress: bool = True):
-    """(model in fp32 eval mode, tokenizer, local directory) for a path or known name."""
-    directory = resolve_model(name_or_path, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return model, tokenizer, directory
+def shared_corpora(names: tuple[str, ...]) -> list[str]:
+    """The files `names` found in `$RECURFORMER_DATA`, else in `../shared/data` (the
+    project's offline corpora, seen from the repository root)."""
+    folder = Path(os.environ.get(DATA_ENV, "../shared/data"))
+    return [str(folder / name) for name in names if (folder / name).is_file()]
 
 
-def _portable_name(model: str) -> str:
-    """A known name stays a name; a directory becomes its absolute path."""
-    path = Path(model).expanduser()
-    return str(path.resolve()) if (path / "config.json").is_file() else str(model)
+def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
+    """A parser for `TRANSFER,LM`: two values read by `convert`."""
+
+    def parse(text: str) -> tuple:
+        try:
+            transfer, lm = (convert(part) for part in text.split(","))
+        except ValueError:
+            raise ConfigError(f"expected TRANSFER,LM {what} such as {example}, got {text!r}") from None
+        return transfer, lm
+
+    return parse
 
 
-def check_beta(beta: float) -> None:
-    groups_to_replace(1, beta)  # raises the one-line error for a bad beta
+@dataclass
+class RunConfig:
+    """Everything that determines a run's results; `run.json` stores it.
+
+    `quick` replaces every size by a tiny one (a smoke test: its numbers mean nothing).
+    """
+
+    model: str = option("smollm2-135m", "a local Hugging Face model directory or a known name")
+    data: list[str] = option(help=f"training and head-scoring text (the shared corpora, in ${DATA_ENV} or "
+                             "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA))
+    eval_data: list[str] = option(help="held-out text for perplexity", metavar="FILE",
+                                  factory=lambda: shared_corpora(EVAL_CORPORA))
+    beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
+    mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md)")
+    scorer: str = option(SelectionConfig.scorer, "which groups go first: recency | inverse | random")
+    budget_minutes: float = option(25.0, "training time of both stages together")
+    steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
+                                           "(equal-token comparisons)", metavar="TRANSFER,LM",
+                                           parse=_pair(int, "step counts", "40,16"))
+    lr: tuple[float, float] | None = option(None, "learning rates of the two stages (default: the mixer's, "
+                                            "docs/run.md)", metavar="TRANSFER,LM",
+                                            parse=_pair(float, "learning rates", "5e-3,1e-3"))
+    quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
+    seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
+
+    def __post_init__(self) -> None:
+        locate(self.model)
+        require(bool(self.data), "no training data: pass --data FILE...")
+        require(bool(self.eval_data), "no evaluation data: pass --eval-data FILE...")
+        overlap = {str(Path(p).resolve()) for p in self.data} & {str(Path(p).resolve()) for p in self.eval_data}
+        if overlap:
+            raise ConfigError(f"--eval-data must be held out, but {min(overlap)} is also in --data")
+        SelectionConfig(self.beta, self.scorer, self.seed)
+        MixerConfig(kind=self.mixer)
+        require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        if self.steps is not None:
+            require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
+                    f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")
+            self.steps = tuple(self.steps)
+        if self.lr is not None:
+            require(len(self.lr) == 2 and all(0 < x < 1 for x in self.lr),
+                    f"--lr must be two learning rates in (0, 1) TRANSFER,LM, got {self.lr}")
+            self.lr = tuple(self.lr)
+        for path in [*self.data, *self.eval_data]:
+            if not Path(path).is_file():
+                raise DataError(f"data file not found: {path}")
+
+    @property
+    def learning_rates(self) -> tuple[float, float]:
+        """(transfer, lm): the given ones, else the mixer kind's (`Mixer.learning_rates`; the
+        recipe of docs/results/recovery.md: the layer-local transfer stage takes a 5x higher
+        rate than the end-to-end lm stage)."""
+        return self.lr or MIXERS[self.mixer].learning_rates
+
+    @property
+    def selection(self) -> SelectionConfig:
+        return SelectionConfig(self.beta, self.scorer, self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["data"] = [str(Path(p).resolve()) for p in self.data]
+        data["eval_data"] = [str(Path(p).resolve()) for p in self.eval_data]
+        data["steps"] = None if self.steps is None else list(self.steps)
+        data["lr"] = None if self.lr is None else list(self.lr)
+        return data
 
 
-def analyze_command(
-    model: str,
-    data: list[str],
-    out: str,
-    plot: str | None = None,
-    window: int = 16,
-    sequences: int = 32,
-    seq_len: int = 1024,
-    batch_size: int = 1,
-    beta: float = 0.5,
-    scorer: str = "recency",
-    seed: int = 0,
-) -> HeadScores:
-    """Score every head of `model` on `sequences` x `seq_len` tokens of `data`."""
-    if window < 1:
-        raise ConfigError(f"--window must be >= 1, got {window}")
-    check_beta(beta)
-    chosen_scorer = make_scorer(scorer, seed)
-    documents = load_documents(data)
-    net, tokenizer, _ = load_model(model)
-    check_architecture(net.config)
-    check_length(seq_len, net.config)
-    tokens = token_sequences(tokenizer, documents, seq_len, sequences, seed)
-    scores = analyze(net, tokens, window=window, windows=DEFAULT_WINDOWS, batch_size=batch_size,
-                     model_name=str(model), data=[str(p) for p in data])
-    scores.fingerprint = model_fingerprint(net)
-    scores.save(out)
-    if plot:
-        plot_head_heatmap(scores, plot, select_heads(scores, beta, chosen_scorer))
-    return scores
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes of the stages' work (the full run, or the tiny `quick` one); the
+    evaluation tasks size themselves (`Task.run_options`)."""
+
+    analysis: AnalysisConfig = AnalysisConfig(sequences=16, seq_len=1024)
+    train_seq_len: int = 512
+    train_batch: int = 8
+    bench: BenchConfig = BenchConfig(contexts=(512, 2048, 4096), decode_steps=32)
+    fixed_steps: int | None = None  # quick: skip the timing and train this many steps
+
+    @classmethod
+    def quick(cls) -> "Sizes":
+        return cls(analysis=AnalysisConfig(sequences=2, seq_len=128), train_seq_len=64, train_batch=2,
+                   bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
 
 
-def mixer_config_for(mixer: str, **options) -> MixerConfig:
-    """The MixerConfig of `--mixer` with the flags given (None: not given); a flag that
-    the kind does not read is an error rather than silently ignored."""
-    given = {name: value for name, value in options.items() if value is not None}
-    config = MixerConfig(kind=mixer, **given)
-    window_only = sorted(set(given) & {"window", "sinks"})
-    if window_only and mixer != "window":
-        raise ConfigError(f"--{window_only[0]} applies to --mixer window, not --mixer {mixer}")
-    return config
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths inside a run directory."""
+
+    root: Path
+
+    @property
+    def settings(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def scores(self) -> Path:
+        return self.root / "scores.json"
+
+    @property
+    def heads_plot(self) -> Path:
+        return self.root / "heads.png"
+
+    @property
+    def evaluation(self) -> Path:
+        return self.root / "eval.json"
+
+    @property
+    def bench(self) -> Path:
+        return self.root / "bench.json"
+
+    @property
+    def bench_plot(self) -> Path:
+        return self.root / "bench.png"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.md"
+
+    def model(self, name: str) -> Path:
+        """The directory of the converted model after a stage: converted, transfer or final."""
+        require(name in MODELS[1:], f"no model directory called {name!r}")
+        return self.root / name
+
+    def marker(self, stage: str) -> Path:
+        return self.root / "stages" / f"{stage}.json"
 
 
-def convert_command(
-    model: str,
-    scores: str,
-    beta: float,
-    out: str,
-    mixer: str = "mamba",
-    scorer: str = "recency",
-    init: str = "reuse",
-    seed: int = 0,
-    force: bool = False,
-    window: int | None = None,
-    sinks: int | None = None,
-) -> dict:
-    """Select the groups to replace, convert, and save the model + tokenizer into `out`.
-    `window` and `sinks` size the window mixer (MixerConfig's defaults if None)."""
-    check_beta(beta)
-    if init not in INITS:
-        raise ConfigError(f"--init: unknown {init!r}; choose one of {', '.join(INITS)}")
-    mixer_config = mixer_config_for(mixer, window=window, sinks=sinks)
-    chosen_scorer = make_scorer(scorer, seed)
-    head_scores = HeadScores.load(scores)
-    out_dir = Path(out)
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise ConfigError(f"output directory {out_dir} exists and is not empty (use --force to replace it)")
-    net, tokenizer, _ = load_model(model)
-    check_architecture(net.config)
-    shape = (net.config.num_hidden_layers, net.config.num_attention_heads, net.config.num_key_value_heads)
-    if shape != (head_scores.num_layers, head_scores.num_heads, head_scores.num_kv_heads):
-        raise ConfigError(
-            f"scores are for a model with layers x heads x kv_heads = {head_scores.num_layers} x "
-            f"{head_scores.num_heads} x {head_scores.num_kv_heads}, this model has {shape[0]} x {shape[1]} x {shape[2]}"
-        )
-    fingerprint = model_fingerprint(net)
-    if head_scores.fingerprint and head_scores.fingerprint != fingerprint:
-        raise ConfigError(
-            f"scores were computed on another model ({head_scores.model}, fingerprint {head_scores.fingerprint}), "
-            f"not on {model} (fingerprint {fingerprint})"
-        )
-    spec = select_heads(head_scores, beta, chosen_scorer)
-    converted = convert(net, spec, mixer_config, init=init, seed=seed, source_model=_portable_name(model))
-    report = parameter_report(net, converted)
-    save_model_atomic(converted, tokenizer, out_dir)
-    return {"groups": len(spec.groups), "fraction": spec.fraction, **report}
+class Run:
+    """One run: its configuration, its directory, its stages' records, and the models and
+    data loaded so far (kept, so that a later stage reuses them)."""
+
+    def __init__(self, config: RunConfig, out: str | Path):
+        self.config, self.layout = config, RunLayout(Path(out))
+        self.sizes = Sizes.quick() if config.quick else Sizes()
+        self._models: dict[str, Any] = {}
+
+    @property
+    def out(self) -> Path:
+        return self.layout.root
+
+    def record(self, stage: str) -> dict | None:
+        marker = self.layout.marker(stage)
+        return json.loads(marker.read_text()) if marker.is_file() else None
+
+    def finish(self, stage: str, record: dict) -> None:
+        write_json_atomic(self.layout.marker(stage), record)
+
+    def claim(self, force: bool) -> None:
+        """Create the directory for this configuration, or check it is this configuration's."""
+        settings, out = self.layout.settings, self.out
+        if out.exists() and any(out.iterdir()):
+            if force:
+                shutil.rmtree(out)
+            elif not settings.is_file():
+                raise ConfigError(f"output directory {out} exists and is not a run directory (use --force to replace it)")
+            else:
+                saved = json.loads(settings.read_text())
+                if saved.get("schema") != RUN_SCHEMA:
+                    raise ConfigError(f"run directory {out} was made by an older recurformer ({saved.get('schema')}); "
+                                      "start it over with --force, or use another --out")
+                mine = self.config.to_dict()
+                changed = [k for k in mine if saved["config"].get(k) != mine[k]]
+                if changed:
+                    key = changed[0]
+                    raise ConfigError(
+                        f"output directory {out} belongs to a different configuration "
+                        f"({key}: {saved['config'].get(key)!r} there, {mine[key]!r} here); use another --out or --force"
+                    )
+                return
+        write_json_atomic(settings, {"schema": RUN_SCHEMA, "config": self.config.to_dict()})
+
+    @cached_property
+    def original(self):
+        """(the original model, its tokenizer), loaded once."""
+        model, tokenizer, _ = load_model(self.config.model)
+        return model, tokenizer
+
+    @cached_property
+    def train_documents(self) -> list[str]:
+        return load_documents(self.config.data)
+
+    @cached_property
+    def train_sequences(self) -> Tensor:
+        """`[N, train_seq_len]` training sequences, shuffled with the run's seed."""
+        return token_sequences(self.original[1], self.train_documents, self.sizes.train_seq_len, seed=self.config.seed)
+
+    def keep(self, name: str, model) -> None:
+        """Hold the converted model `name` (converted, transfer, final) for later stages."""
+        self._models[name] = model
+
+    def converted(self, name: str, take: bool = False):
+        """The converted model `name`, held or loaded from its directory; `take` hands it
+        over (a training stage changes it in place, so it is no longer `name`)."""
+        model = self._models.pop(name) if take else self._models.get(name)
+        if model is None:
+            model = load_converted(self.layout.model(name))[0]
+            if not take:
+                self._models[name] = model
+        return model
+
+    def train_config(self, stage: str, steps: int) -> TrainConfig:
+        lr = dict(zip(("transfer", "lm"), self.config.learning_rates))[stage]
+        extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
+        return TrainConfig(stage=stage, steps=steps, seq_len=self.sizes.train_seq_len, batch_size=self.sizes.train_batch,
+                           checkpoint_every=5, seed=self.config.seed, lr=lr, **extra)
+
+    def task_settings(self) -> RunSettings:
+        return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed)
 
 
-def save_model_atomic(model, tokenizer, out_dir: Path) -> None:
-    """Save model + tokenizer into a hidden sibling directory, then swap it into place."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            os.replace(staging, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+Stage = Callable[[Run], dict]
 
 
-def load_converted(directory: str):
-    """(RecurFormer model, tokenizer) from a directory written by convert or train."""
-    path = Path(directory)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"{directory}: not a model directory (no config.json)")
-    if json.loads(config_file.read_text()).get("model_type") != "recurformer":
-        raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(path)
+def run_tasks() -> list[Task]:
+    """The evaluation tasks `run` uses, in report order."""
+    return sorted((t for t in TASKS.values() if t.run_options is not None), key=lambda t: t.report_order)
 
 
-def load_teacher(student, teacher: str | None):
-    """The original model `student` was converted from, checked by its weight fingerprint."""
-    name = teacher or student.config.source_model
-    if not name:
-        raise ConfigError("the model does not record the model it was converted from; pass --teacher")
-    model, _, _ = load_model(name)
-    expected = student.config.source_fingerprint
-    if expected and model_fingerprint(model) != expected:
-        raise ConfigError(f"teacher {name} is not the model this one was converted from (fingerprint mismatch)")
-    return model
+def _resolve(run: Run) -> dict:
+    directory = resolve_model(run.config.model)
+    check_architecture(AutoConfig.from_pretrained(directory))
+    return {"directory": str(directory)}
 
 
-def train_command(
-    directory: str,
-    data: list[str],
-    out: str,
-    config: TrainConfig,
-    teacher: str | None = None,
-    resume: bool = False,
-    force: bool = False,
-    keep_checkpoint: bool = False,
-) -> dict:
-    """Run one training stage on a converted model and save the result into `out`."""
-    out_dir = Path(out)
-    has_checkpoint = (out_dir / CHECKPOINT).exists()
-    if resume and not has_checkpoint:
-        raise ConfigError(f"--resume: no checkpoint in {out_dir}")
-    if not resume and out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            raise ConfigError(f"output directory {out_dir} exists and is not empty (use --resume to continue or --force to start over)")
-        shutil.rmtree(out_dir)
-    documents = load_documents(data)
-    student, tokenizer = load_converted(directory)
-    check_length(config.seq_len, student.config.text_config)
-    needs_teacher = config.stage == "transfer" or config.distill_weight > 0
-    original = load_teacher(student, teacher) if needs_teacher else None
-    if config.stage == "transfer":
-        objective = TransferObjective(original, student)
-    else:
-        objective = LMObjective(config.trainable, original, config.distill_weight, config.distill_temperature, config.lora_rank)
-    sequences = token_sequences(tokenizer, documents, config.seq_len, seed=config.seed)
-    summary = train(student, objective, sequences, config, out_dir, resume=resume)
-    save_model_files(student, tokenizer, out_dir)
-    if not keep_checkpoint:
-        shutil.rmtree(out_dir / CHECKPOINT, ignore_errors=True)
-    return summary
+def _analyze(run: Run) -> dict:
+    model, tokenizer = run.original
+    scores = analyze_text(model, tokenizer, run.train_documents, run.sizes.analysis, seed=run.config.seed,
+                          model_name=run.config.model, data=list(run.config.data))
+    scores.save(run.layout.scores)
+    plot_head_heatmap(scores, run.layout.heads_plot, run.config.selection.select(scores))
+    values = sorted(v for row in scores.groups[scores.metric] for v in row)
+    return {"groups": len(values), "metric": scores.metric, "min": values[0], "median": values[len(values) // 2],
+            "max": values[-1], "tokens": scores.sequences * scores.seq_len}
 
 
-def save_model_files(model, tokenizer, out_dir: Path) -> None:
-    """Save model + tokenizer into `out_dir` beside other files (logs), one atomic rename per file."""
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-partial-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        for item in staging.iterdir():
-            os.replace(item, out_dir / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def _convert(run: Run) -> dict:
+    model, tokenizer = run.original
+    scores = HeadScores.load(run.layout.scores)
+    scores.check_model(model, run.config.model)
+    spec = run.config.selection.select(scores)
+    converted = convert(model, spec, MixerConfig(kind=run.config.mixer), init="reuse", seed=run.config.seed,
+                        source_model=portable_name(run.config.model))
+    save_model(converted, tokenizer, run.layout.model("converted"))
+    run.keep("converted", converted)
+    return {"groups": len(spec.groups), "fraction": spec.fraction, **parameter_report(model, converted)}
 
 
-def load_any(name_or_path: str):
-    """(model, tokenizer) for a converted directory, a model directory or a known name."""
-    config_file = Path(name_or_path) / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("model_type") == "recurformer":
-        return load_converted(name_or_path)
-    model, tokenizer, _ = load_model(name_or_path)
-    return model, tokenizer
+def _plan(run: Run) -> dict:
+    if run.config.steps is not None:
+        return {"transfer_steps": run.config.steps[0], "lm_steps": run.config.steps[1]}
+    if run.sizes.fixed_steps is not None:
+        return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
+    student, teacher = run.converted("converted"), run.original[0]
+    probe = run.train_config("lm", 1)
+    lm_step = seconds_per_step(student, lambda copy: LMObjective(probe.trainable, teacher, probe.distill_weight),
+                               run.train_sequences, probe)
+    transfer_step = seconds_per_step(student, lambda copy: TransferObjective(teacher, copy), run.train_sequences,
+                                     run.train_config("transfer", 1))
+    budget = run.config.budget_minutes * 60
+    return {
+        "transfer_step_s": round(transfer_step, 3), "lm_step_s": round(lm_step, 3),
+        "transfer_steps": max(1, int(TRANSFER_SHARE * budget / transfer_step)),
+        "lm_steps": max(1, int((1 - TRANSFER_SHARE) * budget / lm_step)),
+    }
 
 
-def eval_ppl_command(
-    model: str, data: list[str] | None, out: str | None = None, context: int = 1024, stride: int | None = None,
-    max_tokens: int | None = None, batch_size: int = 4,
-) -> dict:
-    """Perplexity of `model` on the text of `data` (the first `max_tokens` tokens if given)."""
-    if stride is not None and not 1 <= stride <= context:
-        raise ConfigError(f"--stride must be in [1, --context], got {stride}")
-    if max_tokens is not None and max_tokens < 2:
-        raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
-    if not data:
-        raise ConfigError("--task ppl needs --data FILE")
-    documents = load_documents(data)
-    net, tokenizer = load_any(model)
-    check_length(context, getattr(net.config, "text_config", net.config))
-    ids = torch.tensor(tokenize_documents(tokenizer, documents))
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    result = perplexity(net.eval(), ids, context=context, stride=stride, batch_size=batch_size)
-    metrics = {"task": "ppl", "model": str(model), "data": [str(p) for p in data], **result.to_dict()}
-    if out:
-        write_json_atomic(out, metrics)
-    return metrics
+def _training_stage(stage: str, source: str, target: str) -> Stage:
+    def train(run: Run) -> dict:
+        out = run.layout.model(target)
+        config = run.train_config(stage, run.record("plan")[f"{stage}_steps"])
+        resume = (out / CHECKPOINT / "trainer_state.json").is_file()
+        if out.exists() and not resume:
+            shutil.rmtree(out)  # an earlier attempt that wrote no checkpoint
+        student = run.converted(source, take=True)
+        summary = train_stage(student, run.original[1], run.original[0], run.train_sequences, config, out, resume=resume)
+        shutil.rmtree(out / CHECKPOINT, ignore_errors=True)
+        run.keep(target, student)
+        return {**{k: v for k, v in summary.items() if k != "config"}, "lr": config.lr}
+
+    return train
 
 
-def parse_contexts(text: str) -> list[int]:
-    try:
-        contexts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ConfigError(f"--context: expected comma-separated integers, got {text!r}") from None
-    if not contexts or min(contexts) < 1:
-        raise ConfigError(f"--context: expected positive integers, got {text!r}")
-    return contexts
+def _evaluate(run: Run) -> dict:
+    """Every task `run` uses, on each of the task's models; eval.json is `{task: {model: result}}`."""
+    settings, tasks = run.task_settings(), run_tasks()
+    options = {task.name: task.run_options(settings) for task in tasks}
+    results: dict[str, dict[str, Any]] = {task.name: {} for task in tasks}
+    for name in MODELS:
+        users = [task for task in tasks if name in task.run_models]
+        if not users:
+            continue
+        model = run.original[0] if name == "original" else load_converted(run.layout.model(name))[0]
+        for task in users:
+            results[task.name][name] = task.evaluate(model.eval(), run.original[1], options[task.name])
+    write_json_atomic(run.layout.evaluation, results)
+    return {"tasks": [task.name for task in tasks]}
 
 
-def bench_command(
-    directories: list[str], contexts: list[int], out: str, baseline: str | None = None, decode_steps: int = 32,
-    budget_gib: float = 1.0, plot: str | None = None, rounds: int = 1,
-) -> dict:
-    """Cache, prefill, decode and memory of converted models against their original."""
-    if decode_steps < 1:
-        raise ConfigError(f"--decode-steps must be >= 1, got {decode_steps}")
-    if rounds < 1:
-        raise ConfigError(f"--rounds must be >= 1, got {rounds}")
-    converted = {str(d): load_converted(d)[0].eval() for d in directories}
-    first = next(iter(converted.values()))
-    original = load_teacher(first, baseline)
-    limit = first.config.text_config.max_position_embeddings
-    if max(contexts) + decode_steps + 8 > limit:
-        raise ConfigError(f"--context {max(contexts)} plus decoding exceeds the model's {limit} positions")
-    contenders = {"original": (original.eval(), "dynamic"), "original+static-cache": (original, "static")}
-    contenders.update({name: (model, "hybrid") for name, model in converted.items()})
-    result = compare(contenders, ["original", "original+static-cache"], contexts, decode_steps,
-                     budget_bytes=int(budget_gib * (1 << 30)), rounds=rounds, progress=lambda m: print(f"bench: {m}", flush=True))
-    write_json_atomic(out, result)
-    if plot:
-        plot_bench(result, plot)
-    return result
+def _bench(run: Run) -> dict:
+    final = run.converted("final")
+    result = against_original({str(run.layout.model("final")): final}, run.original[0], run.sizes.bench,
+                              progress=lambda m: print(f"bench: {m}", flush=True))
+    write_json_atomic(run.layout.bench, result)
+    plot_bench(result, run.layout.bench_plot)
+    return {"contexts": result["contexts"]}
 
 
-TASKS = ("ppl", "hashhop", "mqar", "lm-eval:<task>")
+def metric_table(tasks: list[Task] | None = None) -> tuple[list[Metric], list[Row]]:
+    """Every metric of a run and the summary table's rows: the evaluation tasks' (in report
+    order), then the run's own (metrics.RUN_METRICS), then each stage's wall time."""
+    tasks = run_tasks() if tasks is None else tasks
+    timed = [name for name, _, _ in STAGES if name != "report"]
+    seconds = [Metric(f"seconds_{name}", f"wall time of the {name} stage", (lambda r, n=name: r.records[n]["seconds"]),
+                      "{:.1f}", unit="s") for name in timed]
+    total = Metric("total_minutes", "wall time of all stages",
+                   lambda r: round(sum(r.records[n]["seconds"] for n in timed) / 60, 2), "{:.1f}", unit="min")
+    metrics = [*RUN_METRICS, *(m for t in tasks for m in t.metrics), *seconds, total]
+    rows = [*(row for t in tasks for row in t.rows), *RUN_ROWS]
+    return metrics, rows
 
 
-def eval_task_command(model: str, task: str, out: str | None = None, **options) -> dict:
-    """Evaluate `model` (converted directory, model directory or known name) on `task`."""
-    if task == "ppl":
-        return eval_ppl_command(model, out=out, **options)
-    if task not in ("hashhop", "mqar") and not task.startswith("lm-eval:"):
-        raise ConfigError(f"--task: unknown {task!r}; choose one of {', '.join(TASKS)}")
-    net, tokenizer = load_any(model)
-    if task == "hashhop":
-        metrics = hashhop_accuracy(net, tokenizer, **options)
-    elif task == "mqar":
-        metrics = mqar_accuracy(net, tokenizer, **options)
-    else:
-        from .lm_eval_adapter import run_lm_eval
-
-        metrics = run_lm_eval(net, tokenizer, task.split(":", 1)[1], **options)
-    metrics = {"model": str(model), **metrics}
-    if out:
-        write_json_atomic(out, metrics)
-    return metrics
+def _report(run: Run) -> dict:
+    metrics, rows = metric_table()
+    results = RunResults(
+        config={**run.config.to_dict(), "schema": RUN_SCHEMA}, records={n: run.record(n) for n, _, _ in STAGES[:-1]},
+        evaluation=json.loads(run.layout.evaluation.read_text()), bench=json.loads(run.layout.bench.read_text()),
+        final=str(run.layout.model("final")),
+    )
+    values = {"schema": RUN_SCHEMA, **collect(results, metrics)}
+    plot_loss_curves({stage: run.layout.model(folder) / "train_log.jsonl" for stage, folder in (("transfer", "transfer"), ("lm", "final"))},
+                     run.layout.loss_plot)
+    write_json_atomic(run.layout.metrics, values)
+    write_text_atomic(run.layout.report, render_run_report(values, by_key(metrics), rows, run.config.to_dict(), results.bench))
+    return {"metrics": len(values)}
 
 
-def generate_command(model: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> str:
-    """The continuation of `prompt` (greedy when `temperature` is 0, else sampled)."""
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
-    if not prompt:
-        raise ConfigError("--prompt is empty")
-    net, tokenizer = load_any(model)
-    torch.manual_seed(seed)
-    ids = tokenizer(prompt, return_tensors="pt")
-    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = net.eval().generate(**ids, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+# (name, function, expected seconds of a full run); the seconds weight the progress bar
+STAGES: list[tuple[str, Stage, float]] = [
+    ("resolve", _resolve, 5.0),
+    ("analyze", _analyze, 60.0),
+    ("convert", _convert, 15.0),
+    ("plan", _plan, 40.0),
+    ("transfer", _training_stage("transfer", "converted", "transfer"), 0.0),
+    ("lm", _training_stage("lm", "transfer", "final"), 0.0),
+    ("evaluate", _evaluate, 180.0),
+    ("bench", _bench, 240.0),
+    ("report", _report, 5.0),
+]
+
+
+def stage_weights(config: RunConfig) -> dict[str, float]:
+    """Expected seconds of each stage (the training stages share the budget); a quick run
+    weighs its sizes' work, not the budget."""
+    minutes = 0.0 if config.quick else config.budget_minutes
+    weights = {name: seconds / (5.0 if config.quick and seconds > 15 else 1.0) for name, _, seconds in STAGES}
+    weights["transfer"] = max(10.0, TRANSFER_SHARE * minutes * 60)
+    weights["lm"] = max(10.0, (1 - TRANSFER_SHARE) * minutes * 60)
+    return weights
+
+
+def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progress: bool = True,
+                 stages: list[tuple[str, Stage, float]] | None = None) -> dict:
+    """Run (or continue) every stage of `config` in `out`; returns the metrics."""
+    run = Run(config, out)
+    run.claim(force)
+    plan = stages or STAGES
+    weights = stage_weights(config)
+    bar = tqdm(total=round(sum(weights.get(name, seconds) for name, _, seconds in plan)), desc="run",
+               disable=not progress, bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]")
+    for number, (name, stage, seconds) in enumerate(plan, start=1):
+        bar.set_description(f"run: stage {number}/{len(plan)} {name}")
+        if run.record(name) is None:
+            started = time.monotonic()
+            record = stage(run)
+            run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2)})
+        bar.update(round(weights.get(name, seconds)))
+    bar.close()
+    return json.loads(run.layout.metrics.read_text())

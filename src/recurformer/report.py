@@ -1,32 +1,30 @@
-"""Plots (matplotlib, headless) for analysis and run reports. Files are written atomically."""
+"""Plots (matplotlib, headless) for analysis and run reports, and the run's Markdown
+report. Files are written atomically."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")
+matplotlib.use("Agg")  # headless: no display on our machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .bench import median_measurements  # noqa: E402
 from .config import ReplacementSpec  # noqa: E402
-from .files import temporary_sibling  # noqa: E402
+from .files import atomic_file  # noqa: E402
+from .metrics import Metric, Row, mib, render_rows  # noqa: E402
 from .scoring import HeadScores  # noqa: E402
 
 
 def save_figure(figure, path: str | Path) -> None:
-    """Save a figure through a temporary file, so no half-written image is left behind."""
-    path = Path(path)
-    tmp = temporary_sibling(path)
+    """Save a figure atomically (no half-written image is ever left behind) and close it."""
     try:
-        figure.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            figure.savefig(tmp, dpi=120, bbox_inches="tight", format=Path(path).suffix.lstrip(".") or "png")
     finally:
         plt.close(figure)
-        tmp.unlink(missing_ok=True)
 
 
 def plot_head_heatmap(scores: HeadScores, path: str | Path, spec: ReplacementSpec | None = None) -> None:
@@ -95,15 +93,10 @@ def plot_loss_curves(logs: dict[str, Path], path: str | Path) -> None:
     save_figure(figure, path)
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def render_run_report(metrics: dict, config: dict, evaluation: dict, bench: dict) -> str:
-    """The Markdown report of a run, from its metrics, configuration, eval.json and bench.json."""
+def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], config: dict, bench: dict) -> str:
+    """The Markdown report of a run: the summary table (`rows` over the `metrics` values,
+    shown as `table` says), then each stage's details, the configuration and bench.json."""
     m = metrics
-    hashhop, mqar = evaluation["hashhop_original"], evaluation["mqar_original"]
-    context = m["bench_context"]
     lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`", ""]
     if m["quick"]:
         lines += ["> **Quick run (`--quick`): every size is tiny. These numbers check that the pipeline works; "
@@ -116,20 +109,7 @@ def render_run_report(metrics: dict, config: dict, evaluation: dict, bench: dict
         "",
         "## Summary",
         "",
-        "| measure | original | converted | converted / original |",
-        "|---|---|---|---|",
-        f"| perplexity, held-out text ({m['ppl_tokens']:,} tokens) | {m['ppl_original']:.2f} | {m['ppl_final']:.2f} | {m['ppl_ratio']:.2f}x |",
-        f"| HashHop, 1 hop, exact match ({hashhop['n']} problems, ~{hashhop['target_tokens']} tokens) "
-        f"| {m['hashhop_original']:.0%} | {m['hashhop_final']:.0%} | |",
-        f"| MQAR, token accuracy ({mqar['n']} sequences of {mqar['seq_len']} tokens, {mqar['num_kv_pairs']} pairs) "
-        f"| {m['mqar_original']:.0%} | {m['mqar_final']:.0%} | |",
-        f"| cache at {context:,} tokens | {_mib(m['cache_bytes_original'])} | {_mib(m['cache_bytes_final'])} | {m['cache_ratio']:.3f}x |",
-        f"| decode tokens/s at {context:,} tokens (batch 1) | {m['decode_tokens_per_s_original']:.1f} "
-        f"| {m['decode_tokens_per_s_final']:.1f} | {m['decode_speedup']:.2f}x ({m['decode_speedup_vs_static_cache']:.2f}x vs a static cache) |",
-        f"| prefill time at {context:,} tokens | | | {m['prefill_time_ratio']:.2f}x |",
-        f"| longest context whose cache fits {_mib(m['cache_budget_bytes'])} | {m['max_context_in_budget_original']:,} "
-        f"| {m['max_context_in_budget_final']:,} | |",
-        f"| parameters | {m['params_original'] / 1e6:.1f}M | {m['params_converted'] / 1e6:.1f}M | {m['params_converted'] / m['params_original']:.3f}x |",
+        *render_rows(rows, m, table),
         "",
         "## 1. Which heads were replaced",
         "",
@@ -167,7 +147,7 @@ def render_run_report(metrics: dict, config: dict, evaluation: dict, bench: dict
     for r in bench["measurements"]:
         name = r["model"] if r["model"].startswith("original") else "converted"
         lines.append(f"| {name} | {r['context']:,} | {r['prefill_s']:.2f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{_mib(r['kv_bytes'])} | {_mib(r['state_bytes'])} |")
+                     f"{mib(r['kv_bytes'])} | {mib(r['state_bytes'])} |")
     lines += [
         "",
         "![bench](bench.png)",

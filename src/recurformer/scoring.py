@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,10 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .config import ConfigError, ReplacementSpec
+from .config import ConfigError, ReplacementSpec, option, require
+from .data import check_length, token_sequences
 from .files import write_json_atomic
+from .surgery import model_fingerprint
 
 DEFAULT_WINDOWS = (4, 16, 64)
 STATS_ATTENTION = "recurformer_head_stats"
@@ -58,7 +61,7 @@ class HeadScores:
     heads: dict[str, list[list[float]]]
     groups: dict[str, list[list[float]]] = field(default_factory=dict)
     data: list[str] = field(default_factory=list)
-    fingerprint: str = ""  # identifies the scored model's weights (pipeline.model_fingerprint)
+    fingerprint: str = ""  # identifies the scored model's weights (surgery.model_fingerprint)
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -123,6 +126,20 @@ class HeadScores:
         except (KeyError, IndexError, TypeError, ValueError) as error:
             raise ConfigError(f"scores file is malformed ({type(error).__name__}: {error})") from None
 
+    def check_model(self, model, name: str = "this model") -> None:
+        """Refuse to apply these scores to a model of another shape or with other weights."""
+        config = model.config
+        shape = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
+        if shape != (self.num_layers, self.num_heads, self.num_kv_heads):
+            raise ConfigError(
+                f"scores are for a model with layers x heads x kv_heads = {self.num_layers} x {self.num_heads} x "
+                f"{self.num_kv_heads}, {name} has {shape[0]} x {shape[1]} x {shape[2]}"
+            )
+        fingerprint = model_fingerprint(model)
+        if self.fingerprint and self.fingerprint != fingerprint:
+            raise ConfigError(f"scores were computed on another model ({self.model}, fingerprint {self.fingerprint}), "
+                              f"not on {name} (fingerprint {fingerprint})")
+
     def save(self, path: str | Path) -> None:
         write_json_atomic(path, self.to_json())
 
@@ -136,6 +153,12 @@ class HeadScores:
         except json.JSONDecodeError as error:
             raise ConfigError(f"scores file {path} is not valid JSON ({error.msg})") from None
         return cls.from_json(data)
+
+
+def uniform_recency_ratio(length: int, window: int) -> float:
+    """RR(w) of a head attending uniformly to its causal prefix over `length` tokens: the
+    floor a recency-aware head must beat (query i puts min(i, w) / i of its mass in the window)."""
+    return statistics.fmean(min(i, window) / i for i in range(1, length + 1))
 
 
 class RecencyStatistics:
@@ -240,6 +263,33 @@ def analyze(
     )
 
 
+@dataclass(frozen=True)
+class AnalysisConfig:
+    """How much text `analyze` reads, and the window of the recency ratio that ranks groups."""
+
+    window: int = option(16, "recency window w (tokens) of the ratio that ranks the groups")
+    sequences: int = option(32, "number of sequences to score")
+    seq_len: int = option(1024, "tokens per sequence")
+    batch_size: int = option(1, "sequences per forward pass")
+
+    def __post_init__(self) -> None:
+        for name in ("window", "sequences", "seq_len", "batch_size"):
+            value = getattr(self, name)
+            require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig, seed: int = 0, model_name: str = "",
+                 data: list[str] | None = None) -> HeadScores:
+    """Score every head of `model` on `config.sequences` x `config.seq_len` tokens of
+    `documents`, drawn with `seed`; the scores record the model's fingerprint."""
+    check_length(config.seq_len, model.config)
+    tokens = token_sequences(tokenizer, documents, config.seq_len, config.sequences, seed)
+    scores = analyze(model, tokens, window=config.window, windows=DEFAULT_WINDOWS, batch_size=config.batch_size,
+                     model_name=model_name, data=data)
+    scores.fingerprint = model_fingerprint(model)
+    return scores
+
+
 class Scorer:
     """Ranks KV groups: the higher a group's score, the earlier it is replaced."""
 
@@ -287,6 +337,27 @@ def make_scorer(name: str, seed: int = 0) -> Scorer:
     if name not in SCORERS:
         raise ConfigError(f"scorer: unknown {name!r}; choose one of {', '.join(SCORERS)}")
     return RandomScorer(seed) if name == "random" else SCORERS[name]()
+
+
+def check_beta(beta: float) -> None:
+    """The one-line error for a `beta` outside [0, 1]."""
+    groups_to_replace(1, beta)
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """Which KV groups to replace: the top `beta` fraction under `scorer`."""
+
+    beta: float = option(0.5, "fraction of KV groups to replace, in [0, 1]")
+    scorer: str = option("recency", "which groups go first: " + " | ".join(SCORERS))
+    seed: int = option(0, "seeds the random scorer and the text sample")
+
+    def __post_init__(self) -> None:
+        check_beta(self.beta)
+        make_scorer(self.scorer, self.seed)
+
+    def select(self, scores: HeadScores) -> ReplacementSpec:
+        return select_heads(scores, self.beta, make_scorer(self.scorer, self.seed))
 
 
 def groups_to_replace(num_groups: int, beta: float) -> int:

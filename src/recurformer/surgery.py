@@ -16,13 +16,14 @@ from torch import Tensor, nn
 from transformers.initialization import no_init_weights
 
 from .config import ConfigError, MixerConfig, ReplacementSpec
+from .errors import RecurformerError
 from .mixers import Mixer, ReplacedHeads
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM, check_architecture
 
 INITS = ("reuse", "random")
 
 
-class SurgeryError(ValueError):
+class SurgeryError(RecurformerError, ValueError):
     """A weight does not have the shape the plan expects."""
 
 

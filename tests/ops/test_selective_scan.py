@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from recurformer.ops.selective_scan import (
+    chunked,
     cuda_available,
     selective_scan,
     selective_scan_chunked,
     selective_scan_cuda,
     selective_scan_naive,
 )
-from recurformer.ops.selective_scan import chunked
 
 
 def make_inputs(length, channels, n_state, *, batch=2, extras=True, seed=0, delta_scale=1.0, a_min=-8.0):

@@ -1,14 +1,23 @@
-"""Mixers behind one interface (`Mixer`), built by kind from a `MixerConfig`."""
+"""Mixers behind one interface (`Mixer`), built by kind from a `MixerConfig`.
+
+Each module of this package defines one kind and registers it (`register_mixer`); all of
+them are imported here, so adding a kind adds a module and touches nothing else.
+"""
 
 from __future__ import annotations
 
-from ..config import MixerConfig
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
-from .mamba import MambaMixer
-from .mamba2 import Mamba2Mixer
-from .window import WindowMixer
+import importlib
+import pkgutil
 
-MIXERS: dict[str, type[Mixer]] = {"mamba": MambaMixer, "mamba2": Mamba2Mixer, "window": WindowMixer}
+from ..config import MixerConfig
+from .base import MIXERS, HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+from .mamba import MambaMixer  # noqa: E402  (the public classes, re-exported)
+from .mamba2 import Mamba2Mixer  # noqa: E402
+from .window import WindowMixer  # noqa: E402
 
 
 def build_mixer(d_in: int, heads: HeadShape, config: MixerConfig) -> Mixer:
@@ -27,4 +36,5 @@ __all__ = [
     "ReplacedHeads",
     "WindowMixer",
     "build_mixer",
+    "register_mixer",
 ]

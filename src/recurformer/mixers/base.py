@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from ..config import MIXER_KINDS
+
 MixerState = dict[str, Tensor]
 PositionEmbeddings = tuple[Tensor, Tensor]
 
@@ -67,8 +69,14 @@ class ReplacedHeads:
 
 class Mixer(nn.Module):
     """Base class: subclasses take `(d_in, heads: HeadShape, config: MixerConfig)` and
-    implement `forward`, `step`, `allocate_state`, `reset_parameters` and `init_from_heads`."""
+    implement `forward`, `step`, `allocate_state`, `reset_parameters` and `init_from_heads`.
 
+    `learning_rates`: the (transfer, lm) peak learning rates `recurformer run` trains this
+    kind with unless told otherwise.
+    """
+
+    kind: str
+    learning_rates: tuple[float, float] = (5e-3, 1e-3)
     d_in: int
     d_out: int
 
@@ -104,3 +112,22 @@ class Mixer(nn.Module):
     def init_from_heads(self, heads: ReplacedHeads) -> None:
         """Initialize what can be derived from the replaced attention heads ("reuse" init)."""
         raise NotImplementedError
+
+
+MIXERS: dict[str, type[Mixer]] = {}
+
+
+def register_mixer(kind: str):
+    """Class decorator: make a `Mixer` subclass available as `MixerConfig(kind=kind)` and
+    `--mixer kind`. Every module of the mixers package is imported with the package, so a
+    new kind needs only its own module."""
+
+    def add(cls: type[Mixer]) -> type[Mixer]:
+        if kind in MIXERS:
+            raise ValueError(f"mixer kind {kind!r} is registered twice")
+        cls.kind = kind
+        MIXERS[kind] = cls
+        MIXER_KINDS.append(kind)
+        return cls
+
+    return add

@@ -21,9 +21,10 @@ from torch import Tensor, nn
 from ..config import MixerConfig
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.selective_scan import selective_scan
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
 
 
+@register_mixer("mamba")
 class MambaMixer(Mixer):
     """Mamba-1 mixer `[B, T, d_in] -> [B, T, d_out]` with state `conv [B, d_inner, d_conv]`
     and `ssm [B, d_inner, d_state]`. Of the replaced heads it uses only their width

@@ -28,15 +28,18 @@ from torch import Tensor, nn
 from ..config import MixerConfig
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.ssd import ssd
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
 
 _NORM_EPS = 1e-5
 _A_INIT_RANGE = (1.0, 16.0)
 
 
+@register_mixer("mamba2")
 class Mamba2Mixer(Mixer):
     """Mamba-2 mixer `[B, T, d_in] -> [B, T, H * P]` with state `conv [B, G*P + G*N + H*N,
     d_conv]` and `ssm [B, H, P, N]`."""
+
+    learning_rates = (5e-3, 2e-4)  # its lm stage diverges at 1e-3 (docs/mixers.md)
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()

@@ -25,9 +25,10 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..config import MixerConfig
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
 
 
+@register_mixer("window")
 class WindowMixer(Mixer):
     """Sliding-window softmax attention `[B, T, d_in] -> [B, T, H * D]` with a ring-buffer
     state of `sinks + window` tokens."""

@@ -1,8 +1,20 @@
 """Continual training: the `transfer` stage (layer-local, mixers fit the replaced heads)
 and the `lm` stage (end-to-end next-token loss, optional distillation)."""
 
-from .loop import TrainConfig, TrainingDiverged, seconds_per_step, train
 from .lm import LMObjective
+from .loop import CHECKPOINT, TrainConfig, TrainingDiverged, seconds_per_step, train
+from .stage import needs_teacher, objective_for, train_stage
 from .transfer import TransferObjective
 
-__all__ = ["LMObjective", "TrainConfig", "TrainingDiverged", "seconds_per_step", "TransferObjective", "train"]
+__all__ = [
+    "CHECKPOINT",
+    "LMObjective",
+    "TrainConfig",
+    "TrainingDiverged",
+    "TransferObjective",
+    "needs_teacher",
+    "objective_for",
+    "seconds_per_step",
+    "train",
+    "train_stage",
+]

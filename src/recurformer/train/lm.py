@@ -43,7 +43,7 @@ class LMObjective:
     def prepare(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(self.trainable == "all")
         if self.trainable == "mixers+lora":
-            try:
+            try:  # optional dependency (recurformer[lora]), needed only for this trainable set
                 from peft import LoraConfig, get_peft_model
             except ImportError:
                 raise ConfigError("--trainable mixers+lora needs the 'peft' package (pip install recurformer[lora])") from None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -30,8 +29,9 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, _require
-from ..files import write_json_atomic
+from ..config import ConfigError, option, require
+from ..errors import RecurformerError
+from ..files import replace_directory, write_json_atomic
 
 STAGES = ("transfer", "lm")
 TRAINABLE_SETS = ("mixers", "mixers+lora", "all")
@@ -41,7 +41,7 @@ LOG = "train_log.jsonl"
 SUMMARY = "train_summary.json"
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RecurformerError, RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
@@ -49,44 +49,44 @@ class TrainingDiverged(RuntimeError):
 class TrainConfig:
     """Hyper-parameters of one training stage; `--flag` names in errors match the CLI."""
 
-    stage: str = "transfer"
-    steps: int | None = None
-    tokens: int | None = None  # alternative to steps: steps = ceil(tokens / (batch_size * seq_len))
-    seq_len: int = 512
-    batch_size: int = 8  # sequences per optimizer step, over all processes
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: float = 0.05  # fraction of the steps
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    trainable: str = "mixers"
-    distill_weight: float = 0.0
-    distill_temperature: float = 1.0
-    lora_rank: int = 8
-    precision: str = "auto"
-    checkpoint_every: int = 50
-    seed: int = 0
+    stage: str = option("transfer", "transfer (mixers imitate the replaced heads) | lm (next-token loss)")
+    steps: int | None = option(None, "optimizer steps (or give --tokens)")
+    tokens: int | None = option(None, "training tokens, instead of --steps: steps = ceil(tokens / (batch * seq-len))")
+    seq_len: int = option(512, "tokens per training sequence")
+    batch_size: int = option(8, "sequences per optimizer step, over all processes")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "the cosine schedule decays to lr * this")
+    warmup: float = option(0.05, "linear warmup, as a fraction of the steps")
+    weight_decay: float = option(0.0, "AdamW weight decay (not on biases, norms, A_log, D)")
+    clip: float = option(1.0, "gradient norm clip")
+    trainable: str = option("mixers", "lm stage: " + " | ".join(TRAINABLE_SETS))
+    distill_weight: float = option(0.0, "lm stage: weight of the KL divergence to the original model")
+    distill_temperature: float = option(1.0, "lm stage: temperature of that KL")
+    lora_rank: int = option(8, "lm stage: rank of the LoRA adapters (mixers+lora)")
+    precision: str = option("auto", "auto (bf16 where bf16 matmuls are fast) | no | bf16")
+    checkpoint_every: int = option(50, "steps between checkpoints")
+    seed: int = option(0, "seeds the data order and the initialization")
 
     def __post_init__(self) -> None:
-        _require(self.stage in STAGES, f"--stage: unknown {self.stage!r}; choose one of {', '.join(STAGES)}")
-        _require((self.steps is None) != (self.tokens is None), "give exactly one of --steps and --tokens")
-        _require(self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
-        _require(self.tokens is None or self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}")
-        _require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
-        _require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
-        _require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
-        _require(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}")
-        _require(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _require(0 <= self.warmup < 1, f"--warmup must be in [0, 1), got {self.warmup}")
-        _require(self.clip > 0, f"--clip must be > 0, got {self.clip}")
-        _require(self.trainable in TRAINABLE_SETS, f"--trainable: unknown {self.trainable!r}; choose one of {', '.join(TRAINABLE_SETS)}")
-        _require(self.stage == "lm" or self.trainable == "mixers", "--trainable applies to --stage lm; the transfer stage trains the mixers only")
-        _require(self.distill_weight >= 0, f"--distill-weight must be >= 0, got {self.distill_weight}")
-        _require(self.distill_temperature > 0, f"--distill-temperature must be > 0, got {self.distill_temperature}")
-        _require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
-        _require(self.precision in PRECISIONS, f"--precision: unknown {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        _require(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        require(self.stage in STAGES, f"--stage: unknown {self.stage!r}; choose one of {', '.join(STAGES)}")
+        require((self.steps is None) != (self.tokens is None), "give exactly one of --steps and --tokens")
+        require(self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}")
+        require(self.tokens is None or self.tokens >= 1, f"--tokens must be >= 1, got {self.tokens}")
+        require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        require(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        require(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}")
+        require(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(0 <= self.warmup < 1, f"--warmup must be in [0, 1), got {self.warmup}")
+        require(self.clip > 0, f"--clip must be > 0, got {self.clip}")
+        require(self.trainable in TRAINABLE_SETS, f"--trainable: unknown {self.trainable!r}; choose one of {', '.join(TRAINABLE_SETS)}")
+        require(self.stage == "lm" or self.trainable == "mixers", "--trainable applies to --stage lm; the transfer stage trains the mixers only")
+        require(self.distill_weight >= 0, f"--distill-weight must be >= 0, got {self.distill_weight}")
+        require(self.distill_temperature > 0, f"--distill-temperature must be > 0, got {self.distill_temperature}")
+        require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
+        require(self.precision in PRECISIONS, f"--precision: unknown {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        require(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
 
     @property
     def total_steps(self) -> int:
@@ -150,7 +150,7 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def _precision(choice: str) -> str:
+def resolve_precision(choice: str) -> str:
     """`auto`: bf16 autocast where bf16 matmuls are fast (CUDA with bf16, CPUs with AMX,
     where we measured 6.4x the fp32 matmul rate), else fp32."""
     if choice != "auto":
@@ -186,7 +186,7 @@ def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config
     objective = make_objective(trial)
     module = objective.prepare(trial)
     micro = sequences[:1]
-    bf16 = _precision(config.precision) == "bf16"
+    bf16 = resolve_precision(config.precision) == "bf16"
     seconds = 0.0
     for _ in range(2):
         start = time.perf_counter()
@@ -217,14 +217,14 @@ def train(
     `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
     """
     out_dir = Path(out_dir)
-    accelerator = _accelerator(_precision(config.precision))
+    accelerator = _accelerator(resolve_precision(config.precision))
     world, rank = accelerator.num_processes, accelerator.process_index
     per_process = config.batch_size // world
-    _require(per_process * world == config.batch_size, f"--batch-size {config.batch_size} is not divisible by {world} processes")
+    require(per_process * world == config.batch_size, f"--batch-size {config.batch_size} is not divisible by {world} processes")
     micro = per_process // config.grad_accum
-    _require(micro * config.grad_accum == per_process, f"--batch-size {config.batch_size} / {world} processes is not divisible by --grad-accum {config.grad_accum}")
-    _require(len(sequences) >= 1 and sequences.shape[1] == config.seq_len, "training sequences do not match --seq-len")
-    _require(labels is None or labels.shape == sequences.shape,
+    require(micro * config.grad_accum == per_process, f"--batch-size {config.batch_size} / {world} processes is not divisible by --grad-accum {config.grad_accum}")
+    require(len(sequences) >= 1 and sequences.shape[1] == config.seq_len, "training sequences do not match --seq-len")
+    require(labels is None or labels.shape == sequences.shape,
              f"labels {None if labels is None else tuple(labels.shape)} do not match sequences {tuple(sequences.shape)}")
 
     set_seed(config.seed)
@@ -324,11 +324,7 @@ def _save_checkpoint(accelerator: Accelerator, checkpoint: Path, state: dict) ->
     accelerator.save_state(str(staging))
     if accelerator.is_main_process:
         write_json_atomic(staging / "trainer_state.json", state)
-        old = checkpoint.with_name(f".{checkpoint.name}.old")
-        if checkpoint.exists():
-            os.replace(checkpoint, old)
-        os.replace(staging, checkpoint)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_directory(staging, checkpoint)
     accelerator.wait_for_everyone()
 
 

@@ -1,0 +1,80 @@
+"""`--task hashhop`: multi-hop retrieval over random hashes, answered by greedy generation
+(the generator and scorer are in `tasks/hashhop.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import option, require
+from ..metrics import Metric, Row, per_model
+from ..tasks.hashhop import generate_hashhop, score_hashhop
+from .registry import RunSettings, Task, register
+
+
+@torch.no_grad()
+def hashhop_accuracy(
+    model, tokenizer, num_problems: int = 20, hops: int = 2, target_tokens: int = 512, cot: bool = False,
+    shots: int = 1, seed: int = 0, batch_size: int = 4, progress: bool = True,
+) -> dict:
+    """Greedy completions of HashHop prompts sized to `target_tokens`, scored by exact match."""
+    problems = generate_hashhop(num_problems, hops=hops, target_tokens=target_tokens, tokenizer=tokenizer,
+                                cot=cot, seed=seed, shots=shots)
+    answer_tokens = max(len(tokenizer.encode(" " + p.answer, add_special_tokens=False)) for p in problems)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    predictions = []
+    model.eval()
+    for first in tqdm(range(0, len(problems), batch_size), desc="hashhop", unit="batch", disable=not progress):
+        encoded = [tokenizer.encode(p.prompt) for p in problems[first:first + batch_size]]
+        width = max(map(len, encoded))
+        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(encoded):  # left padding, as generation needs
+            ids[row, width - len(tokens):] = torch.tensor(tokens)
+            mask[row, width - len(tokens):] = 1
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens + 2, do_sample=False, pad_token_id=pad)
+        predictions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    scores = score_hashhop(predictions, problems)
+    return {"task": "hashhop", "hops": hops, "target_tokens": target_tokens, "cot": cot, "shots": shots,
+            "n_chains_mean": sum(p.n_chains for p in problems) / len(problems), **scores}
+
+
+@dataclass(frozen=True)
+class HashHopOptions:
+    problems: int = option(20, "number of problems")
+    context: int = option(1024, "prompt tokens per problem")
+    hops: int = option(2, "hops per query")
+    seed: int = option(0, "seeds the problems")
+    batch_size: int = option(4, "problems per generation batch")
+
+    def __post_init__(self) -> None:
+        require(self.problems >= 1, f"--problems must be >= 1, got {self.problems}")
+        require(self.hops >= 1, f"--hops must be >= 1, got {self.hops}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+
+
+def evaluate(model, tokenizer, options: HashHopOptions) -> dict:
+    return hashhop_accuracy(model, tokenizer, num_problems=options.problems, hops=options.hops,
+                            target_tokens=options.context, seed=options.seed, batch_size=options.batch_size)
+
+
+def run_options(settings: RunSettings) -> HashHopOptions:
+    if settings.quick:
+        return HashHopOptions(problems=2, context=160, hops=1, seed=settings.seed)
+    return HashHopOptions(problems=24, context=256, hops=1, seed=settings.seed)
+
+
+register(Task(
+    name="hashhop", summary="HashHop retrieval by generation, exact match (docs/tasks.md)",
+    options=HashHopOptions, evaluate=evaluate, report_order=10, run_options=run_options,
+    metrics=(
+        *per_model("hashhop", "exact_match", "HashHop exact match", ("original", "final"), fmt="{:.0%}", better="higher"),
+        Metric("hashhop_problems", "HashHop problems", lambda r: r.result("hashhop", "original")["n"]),
+        Metric("hashhop_context", "HashHop prompt tokens", lambda r: r.result("hashhop", "original")["target_tokens"],
+               unit="tokens"),
+    ),
+    rows=(Row("HashHop, 1 hop, exact match ({hashhop_problems} problems, ~{hashhop_context} tokens)",
+              "hashhop_original", "hashhop_final", None),),
+))

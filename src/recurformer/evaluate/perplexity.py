@@ -1,0 +1,123 @@
+"""`--task ppl`: perplexity of a text, scored in windows of `context` tokens."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..config import option, require
+from ..data import check_length, load_documents, tokenize_documents
+from ..metrics import MODELS, Metric, Row, per_model
+from .registry import RunSettings, Task, register
+
+
+@dataclass
+class Perplexity:
+    tokens: int  # predicted tokens
+    nll: float  # mean negative log-likelihood per token (nats)
+    ppl: float
+    context: int
+    stride: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(length: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, first_scored) spans; no token is scored twice.
+
+    Windows hold up to `context` tokens and start every `stride` tokens; each scores the
+    tokens the previous one did not, except its own first token, which it cannot predict
+    (as in transformers' perplexity guide). With `stride < context` every scored token past
+    the first window has at least `context - stride` tokens of left context; with
+    `stride == context` the windows do not overlap and one token per window goes unscored.
+    """
+    if not 1 <= stride <= context:
+        raise ValueError(f"need 1 <= stride <= context, got stride={stride}, context={context}")
+    spans, scored_until, start = [], 1, 0
+    while scored_until < length:
+        end = min(start + context, length)
+        spans.append((start, end, max(scored_until, start + 1)))
+        scored_until = end
+        start += stride
+    return spans
+
+
+@torch.no_grad()
+def perplexity(
+    model, ids: Tensor, context: int = 1024, stride: int | None = None, batch_size: int = 4, progress: bool = True
+) -> Perplexity:
+    """Perplexity of `model` on the token stream `ids` `[L]`."""
+    stride = stride or context
+    spans = windows(len(ids), context, stride)
+    total_nll, total_tokens = 0.0, 0
+    model.eval()
+    for first in tqdm(range(0, len(spans), batch_size), desc="perplexity", unit="batch", disable=not progress):
+        group = spans[first:first + batch_size]
+        width = max(end - start for start, end, _ in group)
+        batch = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (start, end, _) in enumerate(group):  # right padding: causal rows are unaffected
+            batch[row, : end - start] = ids[start:end]
+            mask[row, : end - start] = 1
+        logits = model(batch, attention_mask=mask, use_cache=False).logits.float()
+        for row, (start, end, scored) in enumerate(group):
+            # position p predicts token p + 1; score tokens scored..end-1
+            pred = logits[row, scored - start - 1 : end - start - 1]
+            target = ids[scored:end]
+            total_nll += F.cross_entropy(pred, target, reduction="sum").item()
+            total_tokens += len(target)
+    nll = total_nll / total_tokens
+    return Perplexity(total_tokens, nll, math.exp(nll), context, stride)
+
+
+@dataclass(frozen=True)
+class PerplexityOptions:
+    data: list[str] = option([], "text files to score (.txt or .jsonl)", metavar="FILE")
+    context: int = option(1024, "tokens per window")
+    stride: int | None = option(None, "window step; not given: the context (no overlap)")
+    max_tokens: int | None = option(None, "score only the first N tokens of the text")
+    batch_size: int = option(4, "windows per forward pass")
+
+    def __post_init__(self) -> None:
+        require(bool(self.data), "--task ppl needs --data FILE")
+        require(self.context >= 2, f"--context must be >= 2, got {self.context}")
+        require(self.stride is None or 1 <= self.stride <= self.context, f"--stride must be in [1, --context], got {self.stride}")
+        require(self.max_tokens is None or self.max_tokens >= 2, f"--max-tokens must be >= 2, got {self.max_tokens}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+
+
+def evaluate(model, tokenizer, options: PerplexityOptions) -> dict:
+    documents = load_documents(options.data)
+    check_length(options.context, model.config.get_text_config())
+    ids = torch.tensor(tokenize_documents(tokenizer, documents))
+    if options.max_tokens is not None:
+        ids = ids[: options.max_tokens]
+    result = perplexity(model.eval(), ids, context=options.context, stride=options.stride, batch_size=options.batch_size)
+    return {"data": [str(p) for p in options.data], **result.to_dict()}
+
+
+def run_options(settings: RunSettings) -> PerplexityOptions:
+    if settings.quick:
+        return PerplexityOptions(data=settings.eval_data, context=128, max_tokens=512)
+    return PerplexityOptions(data=settings.eval_data, context=1024, max_tokens=16384)
+
+
+register(Task(
+    name="ppl", summary="perplexity of a text (--data), in windows of --context tokens",
+    options=PerplexityOptions, evaluate=evaluate, report_order=0,
+    run_options=run_options, run_models=MODELS,
+    metrics=(
+        *per_model("ppl", "ppl", "held-out perplexity", MODELS, fmt="{:.2f}", better="lower"),
+        Metric("ppl_tokens", "held-out tokens predicted", lambda r: r.result("ppl", "original")["tokens"], "{:,}",
+               unit="tokens"),
+        Metric("ppl_ratio", "held-out perplexity, converted / original",
+               lambda r: r.result("ppl", "final")["ppl"] / r.result("ppl", "original")["ppl"], "{:.2f}x", "lower", "x"),
+    ),
+    rows=(Row("perplexity, held-out text ({ppl_tokens} tokens)", "ppl_original", "ppl_final", "ppl_ratio"),),
+))

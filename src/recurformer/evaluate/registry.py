@@ -1,0 +1,82 @@
+"""The registry of evaluation tasks.
+
+A `Task` bundles what `recurformer eval --task NAME` and the `evaluate` stage of
+`recurformer run` need to know about one evaluation: its options (a dataclass whose fields
+are the command's flags, with their defaults, checks and help), the function that
+evaluates a model, and, if `run` uses it, the options it runs with and the metrics and
+summary rows it adds to the run's report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..config import ConfigError
+from ..metrics import Metric, Row
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a task's options in `recurformer run` may depend on."""
+
+    quick: bool  # tiny sizes: a smoke test
+    eval_data: list[str]  # held-out text files
+    seed: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """One evaluation. `evaluate(model, tokenizer, options)` returns a flat dict of results.
+
+    `argument` names an options field that may be given after a colon in the task name
+    (`lm-eval:hellaswag` sets `tasks`). `run_options(settings)` gives the options `run`
+    uses (None: `run` does not use the task), on each model of `run_models`; `metrics` and
+    `rows` are what the task adds to the run's metrics and summary table, where tasks come
+    in `report_order`.
+    """
+
+    name: str
+    summary: str
+    options: type
+    evaluate: Callable[[Any, Any, Any], dict]
+    argument: str | None = None
+    run_options: Callable[[RunSettings], Any] | None = None
+    run_models: tuple[str, ...] = ("original", "final")
+    metrics: tuple[Metric, ...] = ()
+    rows: tuple[Row, ...] = ()
+    report_order: int = 100
+
+    def option_names(self) -> list[str]:
+        return [f.name for f in fields(self.options)]
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    if task.name in TASKS:
+        raise ValueError(f"evaluation task {task.name!r} is registered twice")
+    TASKS[task.name] = task
+    return task
+
+
+def lookup_task(spec: str) -> tuple[Task, dict[str, str]]:
+    """The task named by `spec` (`name` or `name:argument`) and the option the argument sets."""
+    name, _, argument = spec.partition(":")
+    task = TASKS.get(name)
+    if task is None or bool(argument) != (task.argument is not None):
+        known = ", ".join(t.name + (":<" + t.argument + ">" if t.argument else "") for t in TASKS.values())
+        raise ConfigError(f"--task: unknown {spec!r}; choose one of {known}")
+    return task, ({task.argument: argument} if argument else {})
+
+
+def make_options(task: Task, given: dict[str, Any]):
+    """The task's options from the values `given` (None: not given, the default applies);
+    a value for an option the task does not have is an error naming both."""
+    given = {k: v for k, v in given.items() if v is not None}
+    foreign = sorted(set(given) - set(task.option_names()))
+    if foreign:
+        raise ConfigError(f"--{foreign[0].replace('_', '-')} does not apply to --task {task.name}")
+    return task.options(**given)

@@ -1,0 +1,152 @@
+"""The shape of the package, checked on its source with `ast`: imports flow one way, from
+the edge (cli) to the core (ops); no private name crosses a module boundary; imports sit at
+module top except optional dependencies; every third-party package imported is declared.
+docs/architecture.md describes the layers."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "recurformer"
+
+# Bottom to top. A module may import modules of its own layer or of lower ones, never of a
+# higher one. Layer 0 holds the leaves that anything may use.
+LAYERS: dict[str, int] = {
+    "errors": 0, "config": 0, "files": 0, "data": 0, "tasks": 0, "hub": 0,
+    "ops": 1,
+    "mixers": 2,
+    "attention": 3, "cache": 3,
+    "modeling": 4, "surgery": 4,
+    "loading": 5, "metrics": 5, "scoring": 5, "train": 5, "evaluate": 5, "bench": 5,
+    "report": 6,
+    "pipeline": 7,
+    "commands": 8,
+    "cli": 9,
+    "__init__": 10,  # the public API re-exports from every layer
+}
+# Optional dependencies, imported inside the function that needs them (with the reason beside it).
+OPTIONAL = {"peft", "lm_eval", "mamba_ssm", "causal_conv1d"}
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def unit(path: Path) -> str:
+    """The layer unit a file belongs to: its top-level module or package under recurformer."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def imported_units(path: Path, node: ast.ImportFrom | ast.Import) -> list[tuple[str, list[str]]]:
+    """(recurformer unit, imported names) of an import statement; empty for other packages."""
+    if isinstance(node, ast.Import):
+        return [(a.name.split(".")[1], []) for a in node.names if a.name.startswith("recurformer.")]
+    if node.level == 0:
+        if not (node.module or "").startswith("recurformer"):
+            return []
+        parts = node.module.split(".")[1:]
+    else:
+        here = list(path.relative_to(PACKAGE).with_suffix("").parts[:-1])
+        base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+        parts = base + (node.module.split(".") if node.module else [])
+    names = [a.name for a in node.names]
+    if not parts:  # `from . import x` at the package root
+        return [(name, []) for name in names]
+    return [(parts[0], names)]
+
+
+def test_every_module_has_a_layer():
+    missing = sorted({unit(p) for p in modules()} - set(LAYERS))
+    assert not missing, f"give these modules a layer in tests/test_architecture.py: {missing}"
+
+
+def test_imports_never_go_up_a_layer():
+    wrong = []
+    for path in modules():
+        mine = unit(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target, _ in imported_units(path, node):
+                    if target != mine and LAYERS.get(target, -1) > LAYERS[mine]:
+                        wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {mine} (layer {LAYERS[mine]}) imports "
+                                     f"{target} (layer {LAYERS[target]})")
+    assert not wrong, "imports that go up a layer:\n" + "\n".join(wrong)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    wrong = []
+    for path in [*modules(), *sorted((ROOT / "benchmarks").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level + (node.module or "").startswith("recurformer") > 0:
+                private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+                if private:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {', '.join(private)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_imports_sit_at_module_top_except_optional_dependencies():
+    wrong = []
+    for path in modules():
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, ast.Import):
+                        roots = {a.name.split(".")[0] for a in node.names}
+                    elif isinstance(node, ast.ImportFrom):
+                        roots = {(node.module or "").split(".")[0]} if node.level == 0 else {"recurformer"}
+                    else:
+                        continue
+                    if not roots <= OPTIONAL:
+                        wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "imports inside functions (move them to the module top):\n" + "\n".join(wrong)
+
+
+def declared_packages() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    return {normalize(re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_third_party_package_imported_is_declared():
+    distributions = importlib.metadata.packages_distributions()
+    declared, missing = declared_packages(), set()
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                if root in sys.stdlib_module_names or root == "recurformer":
+                    continue
+                names = {normalize(d) for d in distributions.get(root, [root])}
+                if not names & declared:
+                    missing.add(f"{root} (imported in {path.relative_to(ROOT)})")
+    assert not missing, f"declare these in pyproject.toml: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from ..config import option", [("config", ["option"])]),
+    ("from .registry import Task", [("evaluate", ["Task"])]),
+    ("from . import commands", [("commands", [])]),
+    ("import recurformer.pipeline", [("pipeline", [])]),
+    ("from torch import nn", []),
+])
+def test_the_import_reader_resolves_relative_imports(source, expected):
+    where = PACKAGE / ("evaluate/hashhop.py" if "registry" in source else "train/loop.py" if ".." in source else "cli.py")
+    assert imported_units(where, ast.parse(source).body[0]) == expected
