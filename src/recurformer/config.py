@@ -11,6 +11,7 @@ from typing import Any
 
 MIXER_KINDS = ("mamba", "mamba2", "window")
 SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,13 @@ class MixerConfig:
     `mamba2` (Mamba-2 / SSD): one SSD head per replaced query head, head size `head_dim`.
     `window`: the replaced heads' own softmax attention over the last `window` tokens and
     the first `sinks` tokens (see docs/mixers.md).
+
+    `state_dtype` is the dtype of a recurrent mixer's accumulated state (the SSM state of
+    `mamba` and `mamba2`), whatever the model's dtype: fp32 by default, as in mamba-ssm's
+    kernels and flash-linear-attention, because a state rounded to bf16 at every decode
+    step drifts from the prefill's fp32 scan (docs/precision.md). The update is computed in
+    fp32 either way. Buffers that only hold past inputs (the conv window, the `window`
+    mixer's keys and values) are not accumulators: they keep the activations' dtype.
     """
 
     kind: str = "mamba"
@@ -58,6 +66,7 @@ class MixerConfig:
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
     window: int = 64  # window: tokens attended before and including the current one
     sinks: int = 4  # window: first tokens of the sequence every query also attends ("attention sinks")
+    state_dtype: str = "float32"  # mamba, mamba2: dtype of the recurrent state (see above)
 
     def __post_init__(self) -> None:
         _require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -79,6 +88,7 @@ class MixerConfig:
         _require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
         _require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
         _require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+        _require(self.state_dtype in STATE_DTYPES, f"state_dtype: unknown {self.state_dtype!r}; choose one of {', '.join(STATE_DTYPES)}")
 
     def inner_width(self, d_out: int) -> int:
         """Channels of the recurrence for a mixer producing `d_out` channels."""

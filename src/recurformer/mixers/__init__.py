@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import MixerConfig
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, state_dtype
 from .mamba import MambaMixer
 from .mamba2 import Mamba2Mixer
 from .window import WindowMixer
@@ -27,4 +27,5 @@ __all__ = [
     "ReplacedHeads",
     "WindowMixer",
     "build_mixer",
+    "state_dtype",
 ]
