@@ -10,9 +10,9 @@ teacher forcing (the same real tokens fed to both paths):
 - `decode`: in `--dtype`, the original and the model converted at `--beta` with each mixer
   kind (the scores in docs/results/smollm2-135m-scores.json, init "reuse", untrained):
   prefill `--prompt` tokens, then decode `--decode` tokens one at a time with the cache,
-  against one full forward of the same tokens without a cache. Max absolute logit
-  difference, mean absolute difference, top-1 agreement over all positions, and the
-  cache's bytes at the end.
+  against one full forward of the same tokens without a cache, and both against the full
+  forward of the same weights in fp32. Max absolute logit difference, mean absolute
+  difference, top-1 agreement over all positions, and the cache's bytes at the end.
 
 Each invocation is one run, stored under `--label` beside earlier runs in the JSON (so the
 code before a fix and after it can be measured with the same script):
@@ -25,6 +25,7 @@ code before a fix and after it can be measured with the same script):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -78,14 +79,20 @@ def empty_spec(model_dir: str, ids: torch.Tensor, dtypes: list[str]) -> dict:
 
 @torch.no_grad()
 def decode_drift(model, ids: torch.Tensor, prompt: int, cache) -> dict:
-    """Prefill `prompt` tokens, decode the rest one at a time; compared with one full forward."""
+    """Prefill `prompt` tokens, decode the rest one at a time; compared with one full forward
+    (`decode_vs_full`), and both with the full forward of the same weights upcast to fp32
+    (`decode_vs_fp32`, `forward_vs_fp32`): an untrained converted model amplifies rounding
+    far more than the original, and only the excess of decode over forward is decoding's."""
     full = model(ids, use_cache=False).logits
     start = time.perf_counter()
     steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
     for t in range(prompt, ids.shape[1]):
         steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
-    row = compare(torch.cat(steps, dim=1), full)
-    row["seconds"] = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    decoded = torch.cat(steps, dim=1)
+    reference = copy.deepcopy(model).float()(ids, use_cache=False).logits
+    row = {"decode_vs_full": compare(decoded, full), "decode_vs_fp32": compare(decoded, reference),
+           "forward_vs_fp32": compare(full, reference), "seconds": seconds}
     if isinstance(cache, HybridCache):
         sizes = cache.nbytes()
         row["kv_bytes"], row["state_bytes"] = sizes["kv"], sizes["mixer_state"]
@@ -138,18 +145,24 @@ def render(result: dict) -> str:
         "",
         f"## Decode drift in {s['dtype']}: prefill {s['prompt']} tokens, then {s['decode']:,} one at a time",
         "",
-        f"Against one full forward of the same {s['prompt'] + s['decode']:,} tokens, all positions. Converted at beta "
-        f"{s['beta']} with `{s['scores']}`, init reuse, untrained. Cache bytes at the end.",
+        f"All {s['prompt'] + s['decode']:,} positions. Converted at beta {s['beta']} with `{s['scores']}`, init reuse, "
+        "untrained. *decode vs full*: the cached path against one full forward in the same dtype. *vs fp32*: "
+        "each path against the full forward of the same weights upcast to fp32; decoding is as good as the "
+        "forward when its columns match the forward's. Max / mean absolute logit difference, top-1 agreement.",
         "",
-        "| run | model | state dtype | max abs logit diff | mean abs diff | top-1 agreement | KV bytes | state bytes |",
+        "| run | model | state dtype | decode vs full | decode vs fp32 | forward vs fp32 | KV bytes | state bytes |",
         "|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(c: dict) -> str:
+        return f"{c['max_abs_diff']:.3g} / {c['mean_abs_diff']:.3g} / {c['top1_agreement']:.1%}"
+
     for label, run in result["runs"].items():
         for model, row in run.get("decode", {}).items():
             states = ", ".join(row.get("state_dtypes", [])) or "-"
             lines.append(
-                f"| {label} | {model} | {states} | {row['max_abs_diff']:.3g} | {row['mean_abs_diff']:.3g} | "
-                f"{row['top1_agreement']:.2%} | {row['kv_bytes']:,} | {row['state_bytes']:,} |"
+                f"| {label} | {model} | {states} | {cell(row['decode_vs_full'])} | {cell(row['decode_vs_fp32'])} | "
+                f"{cell(row['forward_vs_fp32'])} | {row['kv_bytes']:,} | {row['state_bytes']:,} |"
             )
     lines += ["", "Runs: " + "; ".join(f"`{label}`: commit {run['commit']}, {run['note']}" for label, run in result["runs"].items()), ""]
     return "\n".join(lines)
