@@ -57,6 +57,9 @@ def test_conversion_keeps_the_kept_tensors_and_gives_mixers_the_models_dtype(arc
     assert converted.model.norm.weight.dtype == torch.float32
     mixers = [(n, p) for n, p in converted.named_parameters() if ".mixer." in n]
     assert mixers and all(p.dtype == dtype for _, p in mixers)
+    original_storage = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert not any(t.untyped_storage().data_ptr() in original_storage for t in [*converted.parameters(), *converted.buffers()])
+    assert converted.lm_head.weight is converted.model.embed_tokens.weight or not model.config.tie_word_embeddings
 
 
 def kept_head_outputs(model, converted, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -121,14 +121,18 @@ class Mamba2Mixer(Mixer):
         return -torch.exp(self.A_log)
 
     def _output(self, y: Tensor, z: Tensor) -> Tensor:
-        """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`."""
-        g = y * F.silu(z).unflatten(-1, (self.n_heads, self.head_dim))
+        """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`.
+
+        The gate and the norm run in fp32 (as Mamba-2's gated RMSNorm): in bf16, torch's
+        rsqrt rounds differently for a sequence and for one token, so a decode step would
+        differ from the prefill in a quarter of the channels."""
+        g = y.float() * F.silu(z.float()).unflatten(-1, (self.n_heads, self.head_dim))
         if self.norm_weight is not None:
             g = g * torch.rsqrt(g.square().mean(-1, keepdim=True) + _NORM_EPS)
-            g = g.flatten(-2) * self.norm_weight
+            g = g.flatten(-2) * self.norm_weight.float()
         else:
             g = g.flatten(-2)
-        return self.out_proj(g)
+        return self.out_proj(g.to(y.dtype))
 
     def forward(
         self,
