@@ -14,6 +14,7 @@ import recurformer  # noqa: F401  (registers the Auto classes)
 from recurformer.cache import HybridCache
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.mixers import build_mixer, state_dtype
+from recurformer.ops.conv import causal_conv1d, causal_conv1d_step
 from recurformer.ops.selective_scan import selective_scan
 from recurformer.ops.ssd import ssd
 from recurformer.surgery import convert
@@ -203,7 +204,9 @@ def long_memory_mixer(kind: str, dtype: torch.dtype, **config):
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
 def test_a_mixers_decode_steps_are_as_accurate_as_its_scan(kind, dtype):
     """1,024 steps after a 16-token prefill, against the same mixer in fp64: the steps'
-    error stays that of the prefill's fp32 scan (a bf16 state: 16x to 80x)."""
+    error stays that of the prefill (max within 1.5x, mean within 1.03x). A bf16 state
+    misses the max by 16x to 80x; a conv step summed in bf16 the mean by 1.12x to 1.15x;
+    mamba2's gated norm in bf16 (whose rsqrt rounds differently for one token) by 1.05x."""
     mixer = long_memory_mixer(kind, dtype)
     x = torch.randn(1, 1040, D_IN, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
@@ -211,8 +214,21 @@ def test_a_mixers_decode_steps_are_as_accurate_as_its_scan(kind, dtype):
         full = mixer(x).double()
         state = mixer.allocate_state(1, dtype, "cpu")
         outputs = [mixer(x[:, :16], state)] + [mixer.step(x[:, t], state)[:, None] for t in range(16, x.shape[1])]
-    decoded = torch.cat(outputs, dim=1).double()
-    assert (decoded - reference).abs().max() <= 1.5 * (full - reference).abs().max()
+    decode_error, full_error = (torch.cat(outputs, dim=1).double() - reference).abs(), (full - reference).abs()
+    assert decode_error.max() <= 1.5 * full_error.max()
+    assert decode_error.mean() <= 1.03 * full_error.mean()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_conv_step_rounds_as_the_prefills_conv(dtype):
+    x = torch.randn(2, 63, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
+    weight, bias = (torch.rand(12, 4) - 0.5).to(dtype), torch.randn(12).to(dtype)
+    full, _ = causal_conv1d(x, weight, bias)
+    state, steps = torch.zeros(2, 12, 4, dtype=dtype), []
+    for t in range(x.shape[1]):
+        y, state = causal_conv1d_step(x[:, t], weight, bias, state)
+        steps.append(y)
+    assert torch.equal(torch.stack(steps, dim=1), full)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
