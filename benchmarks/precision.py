@@ -17,7 +17,8 @@ teacher forcing (the same real tokens fed to both paths):
 Each invocation is one run, stored under `--label` beside earlier runs in the JSON (so the
 code before a fix and after it can be measured with the same script):
 
-    PYTHONPATH=../main/src python benchmarks/precision.py --label before
+    git archive <commit> src | tar -x -C /tmp/base   # the code before the fix
+    PYTHONPATH=/tmp/base/src python benchmarks/precision.py --label before --note "main at <commit>"
     PYTHONPATH=src python benchmarks/precision.py --label after
     PYTHONPATH=src python benchmarks/precision.py --label "after, bf16 state" --state-dtype bfloat16 --skip-empty-spec
 """
@@ -120,7 +121,10 @@ def commit(path: Path) -> str:
     """The commit (and '+dirty') of the recurformer code being measured."""
     def git(*cmd):
         return subprocess.run(["git", "-C", str(path), *cmd], capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown (not a git checkout; see the note)"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def render(result: dict) -> str:
