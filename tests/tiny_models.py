@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tempfile
 
 import torch
 from transformers import (
@@ -31,7 +32,9 @@ ARCHITECTURES = {
 MIXERS = {kind: MixerConfig(kind=kind, window=16, sinks=2, ssd_chunk=16) for kind in MIXER_KINDS}
 
 
-def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The model in fp32; another `dtype` loads it as a user does, `from_pretrained(dir,
+    dtype=dtype)`, which keeps buffers such as the rotary `inv_freq` in fp32."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = config_cls(**COMMON, **extra)
@@ -42,6 +45,10 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+    if dtype != torch.float32:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            model = model_cls.from_pretrained(tmp, dtype=dtype, attn_implementation=attn_implementation).eval()
     return model
 
 

@@ -108,9 +108,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+MIXER_FLAGS = ("window", "sinks", "state_dtype")  # the MixerConfig fields `convert` takes as flags
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     selection = build(SelectionConfig, args)
-    mixer = MixerConfig.from_flags(args.kind or MixerConfig.kind, window=args.window, sinks=args.sinks)
+    mixer = MixerConfig.from_flags(args.kind or MixerConfig.kind, **{name: getattr(args, name) for name in MIXER_FLAGS})
     summary = commands.convert_command(args.model, args.scores, args.out, selection=selection, mixer=mixer,
                                        init=args.init, force=args.force)
     print(json.dumps(summary))
@@ -187,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=model_help)
     p.add_argument("--scores", required=True, help="scores JSON written by 'analyze' on this model")
     add_options(p, SelectionConfig)
-    add_options(p, MixerConfig, only=("kind", "window", "sinks"))
+    add_options(p, MixerConfig, only=("kind", *MIXER_FLAGS))
     p.add_argument("--init", default=INITS[0], choices=INITS, help=f"how mixers start (default: {INITS[0]}: "
                    "from the replaced heads' weights; random: their own init)")
     p.add_argument("--out", required=True, help="directory to write the converted model into")

@@ -14,6 +14,7 @@ from .errors import RecurformerError
 
 MIXER_KINDS: list[str] = []  # filled as each mixer kind registers (mixers.base.register_mixer)
 SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(RecurformerError, ValueError):
@@ -56,6 +57,13 @@ class MixerConfig:
     `mamba2` (Mamba-2 / SSD): one SSD head per replaced query head, head size `head_dim`.
     `window`: the replaced heads' own softmax attention over the last `window` tokens and
     the first `sinks` tokens (see docs/mixers.md).
+
+    `state_dtype` is the dtype of a recurrent mixer's accumulated state (the SSM state of
+    `mamba` and `mamba2`), whatever the model's dtype: fp32 by default, as in mamba-ssm's
+    kernels and flash-linear-attention, because a state rounded to bf16 at every decode
+    step drifts from the prefill's fp32 scan (docs/precision.md). The update is computed in
+    fp32 either way. Buffers that only hold past inputs (the conv window, the `window`
+    mixer's keys and values) are not accumulators: they keep the activations' dtype.
     """
 
     kind: str = option("mamba", "what replaces the heads (docs/mixers.md)", flag="--mixer")
@@ -74,6 +82,8 @@ class MixerConfig:
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
     window: int = option(64, "window mixer: tokens each query attends back, itself included", kinds=("window",))
     sinks: int = option(4, "window mixer: first tokens every query also attends (attention sinks)", kinds=("window",))
+    state_dtype: str = option("float32", "recurrent mixers: dtype of the accumulated state (docs/precision.md)",
+                              kinds=("mamba", "mamba2"))
 
     def __post_init__(self) -> None:
         require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -95,6 +105,8 @@ class MixerConfig:
         require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
         require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
         require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+        require(self.state_dtype in STATE_DTYPES,
+                f"state_dtype: unknown {self.state_dtype!r}; choose one of {', '.join(STATE_DTYPES)}")
 
     @classmethod
     def from_flags(cls, kind: str, **given: Any) -> "MixerConfig":

@@ -108,26 +108,44 @@ def convert(
     config.text_config._attn_implementation = text._attn_implementation
     with no_init_weights():
         converted = RecurFormerForCausalLM(config)
-    converted.to(dtype=model.dtype)
 
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     group_size = text.num_attention_heads // text.num_key_value_heads
     source = model.state_dict()
-    weights = {name: t for name, t in source.items() if ".self_attn." not in name}
+    weights = {name: t.detach().clone() for name, t in source.items() if ".self_attn." not in name}
     generator = torch.Generator().manual_seed(seed)
     for idx, (old_layer, hybrid) in enumerate(zip(model.model.layers, converted.hybrid_attentions())):
         plan = LayerPlan.build(idx, spec, group_size, head_dim)
         prefix = f"model.layers.{idx}.self_attn."
         weights.update(_attention_weights(prefix, old_layer.self_attn, plan, text, head_dim))
         if hybrid.mixer is not None:
+            # Initialized in fp32 (the dtype the mixer is built in), then rounded once.
             _init_mixer(hybrid.mixer, old_layer.self_attn, plan, group_size, head_dim, init, generator)
-            weights.update({prefix + "mixer." + n: t for n, t in hybrid.mixer.state_dict().items()})
-    missing, unexpected = converted.load_state_dict(weights, strict=False)
+            weights.update({
+                prefix + "mixer." + n: t.to(device=model.device, dtype=model.dtype) if t.is_floating_point() else t
+                for n, t in hybrid.mixer.state_dict().items()
+            })
+    # `assign`: every tensor keeps the dtype (and device) it has in `weights`, so the kept
+    # model's weights stay exactly what they were and the mixers take the model's dtype.
+    missing, unexpected = converted.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
         raise SurgeryError(f"weights do not match the converted layout: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    _copy_buffers(model, converted)
     converted.tie_weights()
     converted.eval()
     return converted
+
+
+def _copy_buffers(model: nn.Module, converted: nn.Module) -> None:
+    """Give the converted model the original's buffers as they are, dtype included: a bf16
+    Llama keeps its rotary `inv_freq` in fp32 (transformers computes it so), and casting it
+    to bf16 would move every position's rotation. Buffers only the converted model has (a
+    mixer's) keep what the mixer gave them."""
+    original = dict(model.named_buffers())
+    for name, _ in list(converted.named_buffers()):
+        if name in original:
+            owner, _, attr = name.rpartition(".")
+            setattr(converted.get_submodule(owner), attr, original[name].detach().clone())
 
 
 def _attention_weights(prefix: str, attn: nn.Module, plan: LayerPlan, text, head_dim: int) -> dict[str, Tensor]:
@@ -162,9 +180,11 @@ def _init_mixer(
     if init == "random":
         return
 
+    like = next(mixer.parameters())  # the heads are copied at the mixer's (fp32) precision
+
     def heads(linear: nn.Linear, rows: Tensor) -> tuple[Tensor, Tensor | None]:
-        w = linear.weight.detach()[rows].view(-1, head_dim, linear.in_features)
-        b = None if linear.bias is None else linear.bias.detach()[rows].view(-1, head_dim)
+        w = linear.weight.detach()[rows].view(-1, head_dim, linear.in_features).to(like)
+        b = None if linear.bias is None else linear.bias.detach()[rows].view(-1, head_dim).to(like)
         return w, b
 
     (q, qb), (k, kb), (v, vb) = (

@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 
 from ..config import MixerConfig
-from .base import MIXERS, HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .base import MIXERS, HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -37,4 +37,5 @@ __all__ = [
     "WindowMixer",
     "build_mixer",
     "register_mixer",
+    "state_dtype",
 ]

@@ -6,18 +6,30 @@ heads' channels `[B, T, d_out]`, `d_out = heads.num_q_heads * heads.head_dim`. I
 decoding state is a dict of fixed-size tensors, allocated by `allocate_state` and updated
 in place by `forward` (prefill) and `step` (one token). Every call receives the rotary
 `position_embeddings` the attention layer received; mixers without positions ignore them.
+
+Precision policy (docs/precision.md): a state that accumulates over tokens (an SSM state)
+is allocated in `state_dtype(config)` (fp32 by default) and updated in fp32 whatever the
+activations' dtype; a state that only stores past inputs (a conv window, keys and values)
+is allocated in the activations' dtype, like the kept heads' KV cache. Outputs are cast
+back to the activations' dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
-from ..config import MIXER_KINDS
+from ..config import MIXER_KINDS, MixerConfig
 
 MixerState = dict[str, Tensor]
 PositionEmbeddings = tuple[Tensor, Tensor]
+
+
+def state_dtype(config: MixerConfig) -> torch.dtype:
+    """The dtype a mixer of `config` keeps its accumulated recurrent state in."""
+    return getattr(torch, config.state_dtype)
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,8 @@ class Mixer(nn.Module):
         raise NotImplementedError
 
     def allocate_state(self, batch: int, dtype, device) -> MixerState:
-        """A fresh state for `batch` sequences (the state before any token)."""
+        """A fresh state for `batch` sequences (the state before any token). `dtype` is the
+        activations' dtype, for buffers of past inputs; accumulators use `state_dtype(config)`."""
         raise NotImplementedError
 
     def reset_parameters(self) -> None:

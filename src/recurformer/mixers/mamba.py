@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..config import MixerConfig
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.selective_scan import selective_scan
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 
 @register_mixer("mamba")
@@ -137,13 +137,17 @@ class MambaMixer(Mixer):
         state["conv"].copy_(conv_state)
         xs = F.silu(xs)
         delta, B, C = self._ssm_inputs(xs)
+        # In fp32 whatever the activations' dtype, as the scan of the prefill: a bf16 update
+        # would round the state at every token and drift from it.
+        u, delta, B, C, z = (t.float() for t in (xs, delta, B, C, z))
         # Decays below e^-80 are kept at e^-80: exp would otherwise return denormals, which
         # are ~100x slower on x86 and change the state by less than 1e-34 of its size.
-        decay = torch.exp((delta.unsqueeze(-1) * self.A).clamp_min(-80.0))  # [B, d_inner, N]
-        ssm = state["ssm"]
-        ssm.mul_(decay).addcmul_((delta * xs).unsqueeze(-1), B.unsqueeze(1))
-        y = torch.bmm(ssm, C.unsqueeze(-1)).squeeze(-1) + self.D * xs
-        return self.out_proj(y * F.silu(z))
+        decay = torch.exp((delta.unsqueeze(-1) * self.A.float()).clamp_min(-80.0))  # [B, d_inner, N]
+        ssm = state["ssm"].float()  # the state itself when it is fp32
+        ssm.mul_(decay).addcmul_((delta * u).unsqueeze(-1), B.unsqueeze(1))
+        state["ssm"].copy_(ssm)  # a no-op for an fp32 state
+        y = torch.bmm(ssm, C.unsqueeze(-1)).squeeze(-1) + self.D.float() * u
+        return self.out_proj((y * F.silu(z)).to(x.dtype))
 
     @property
     def A(self) -> Tensor:
@@ -151,7 +155,9 @@ class MambaMixer(Mixer):
         return -torch.exp(self.A_log)
 
     def allocate_state(self, batch: int, dtype, device) -> MixerState:
+        """`conv`: the last `d_conv` inputs, in `dtype`; `ssm`: the accumulated state, in the
+        config's `state_dtype`."""
         return {
             "conv": torch.zeros(batch, self.d_inner, self.d_conv, dtype=dtype, device=device),
-            "ssm": torch.zeros(batch, self.d_inner, self.d_state, dtype=dtype, device=device),
+            "ssm": torch.zeros(batch, self.d_inner, self.d_state, dtype=state_dtype(self.config), device=device),
         }

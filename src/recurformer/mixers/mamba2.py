@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..config import MixerConfig
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.ssd import ssd
-from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 _NORM_EPS = 1e-5
 _A_INIT_RANGE = (1.0, 16.0)
@@ -124,14 +124,18 @@ class Mamba2Mixer(Mixer):
         return -torch.exp(self.A_log)
 
     def _output(self, y: Tensor, z: Tensor) -> Tensor:
-        """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`."""
-        g = y * F.silu(z).unflatten(-1, (self.n_heads, self.head_dim))
+        """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`.
+
+        The gate and the norm run in fp32 (as Mamba-2's gated RMSNorm): in bf16, torch's
+        rsqrt rounds differently for a sequence and for one token, so a decode step would
+        differ from the prefill in a quarter of the channels."""
+        g = y.float() * F.silu(z.float()).unflatten(-1, (self.n_heads, self.head_dim))
         if self.norm_weight is not None:
             g = g * torch.rsqrt(g.square().mean(-1, keepdim=True) + _NORM_EPS)
-            g = g.flatten(-2) * self.norm_weight
+            g = g.flatten(-2) * self.norm_weight.float()
         else:
             g = g.flatten(-2)
-        return self.out_proj(g)
+        return self.out_proj(g.to(y.dtype))
 
     def forward(
         self,
@@ -180,16 +184,22 @@ class Mamba2Mixer(Mixer):
         xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(group, dim=1)  # [B, H, P]
         B = B.unflatten(-1, (self.n_groups, self.d_state)).repeat_interleave(group, dim=1)  # [B, H, N]
         C = C.unflatten(-1, (self.n_heads, self.d_state))  # [B, H, N]
+        # In fp32 whatever the activations' dtype, as the prefill's scan: a bf16 update would
+        # round the state at every token and drift from it.
+        xs, dt, B, C = (t.float() for t in (xs, dt, B, C))
         # Decays below e^-80 are kept at e^-80: exp would otherwise return denormals, which
         # are ~100x slower on x86 and change the state by less than 1e-34 of its size.
-        decay = torch.exp((dt * self.A).clamp_min(-80.0))  # [B, H]
-        ssm = state["ssm"]
+        decay = torch.exp((dt * self.A.float()).clamp_min(-80.0))  # [B, H]
+        ssm = state["ssm"].float()  # the state itself when it is fp32
         ssm.mul_(decay[..., None, None]).add_((dt[..., None] * xs)[..., None] * B[:, :, None, :])
-        y = (ssm @ C[..., None]).squeeze(-1) + self.D[:, None] * xs
+        state["ssm"].copy_(ssm)  # a no-op for an fp32 state
+        y = (ssm @ C[..., None]).squeeze(-1) + self.D.float()[:, None] * xs
         return self._output(y.to(z.dtype), z)
 
     def allocate_state(self, batch: int, dtype, device) -> MixerState:
+        """`conv`: the last `d_conv` inputs, in `dtype`; `ssm`: the accumulated state, in the
+        config's `state_dtype`."""
         return {
             "conv": torch.zeros(batch, self.splits[1], self.d_conv, dtype=dtype, device=device),
-            "ssm": torch.zeros(batch, self.n_heads, self.head_dim, self.d_state, dtype=dtype, device=device),
+            "ssm": torch.zeros(batch, self.n_heads, self.head_dim, self.d_state, dtype=state_dtype(self.config), device=device),
         }

@@ -37,9 +37,12 @@ def causal_conv1d(
 def causal_conv1d_step(
     x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """One decode step: x `[B, C]`, state `[B, C, K]` -> y `[B, C]`, new state `[B, C, K]`."""
+    """One decode step: x `[B, C]`, state `[B, C, K]` -> y `[B, C]`, new state `[B, C, K]`.
+
+    The sum runs in fp32 and is rounded once, as `F.conv1d` does in bf16/fp16; products
+    and sum in bf16 would round K + 1 times and stray from the prefill's conv."""
     state = torch.cat([state[:, :, 1:], x.unsqueeze(2).to(state.dtype)], dim=2)
-    y = (state * weight).sum(dim=2)
+    y = (state.float() * weight.float()).sum(dim=2)
     if bias is not None:
-        y = y + bias
+        y = y + bias.float()
     return y.to(x.dtype), state
