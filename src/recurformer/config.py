@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 MIXER_KINDS = ("mamba", "mamba2", "window")
-SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
+SCAN_BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 
 
 class ConfigError(ValueError):
