@@ -219,3 +219,21 @@ def test_auto_takes_the_torch_path_for_other_dtypes(compiled):
     """float64 is not a kernel dtype: auto runs the chunked scan instead of raising."""
     inputs = {k: v.double() for k, v in make_inputs(40, 8, 4).items()}
     assert torch.equal(selective_scan(**inputs, backend="auto"), selective_scan_chunked(**inputs))
+
+
+def test_compiled_threads_and_determinism(compiled):
+    """The forward pass is the same with 1 or 2 threads (no sums across work items); the
+    backward pass, whose per-thread sums depend on the thread count, repeats exactly.
+    (Large enough for the kernels to use threads.)"""
+    inputs = make_inputs(400, 40, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, _, _ = run_with_grads(selective_scan_compiled, inputs)
+        torch.set_num_threads(2)
+        y2, _, grads = run_with_grads(selective_scan_compiled, inputs)
+        _, _, again = run_with_grads(selective_scan_compiled, inputs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(grads[name], again[name]) for name in grads)

@@ -231,3 +231,21 @@ def test_compiled_rejects_bad_inputs_in_one_line(compiled, change, error, messag
 def test_auto_picks_compiled_when_built(compiled):
     inputs = make_inputs(40)
     assert torch.equal(ssd(**inputs, backend="auto"), ssd_compiled(**inputs))
+
+
+def test_compiled_threads_and_determinism(compiled):
+    """The forward pass is the same with 1 or 2 threads (no sums across work items); the
+    backward pass, whose per-thread sums depend on the thread count, repeats exactly.
+    (Large enough for the kernels to use threads.)"""
+    inputs = make_inputs(100, heads=6, head_dim=32, n_state=16, groups=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, _, _ = run_with_grads(ssd_compiled, inputs, chunk_size=16)
+        torch.set_num_threads(2)
+        y2, _, grads = run_with_grads(ssd_compiled, inputs, chunk_size=16)
+        _, _, again = run_with_grads(ssd_compiled, inputs, chunk_size=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(grads[name], again[name]) for name in grads)

@@ -141,3 +141,12 @@ def test_compiled_mamba2_step_rejects_bad_groups(compiled):
     weights, conv, ssm, tokens = mamba2_case(*shape)
     with pytest.raises(ValueError, match="mamba2_step: 4 heads cannot share 3 groups evenly"):
         mamba2_step_compiled(tokens[0], conv, ssm, **weights, groups=3, eps=EPS)
+
+
+def test_compiled_step_reads_strided_activations(compiled):
+    """A non-contiguous xz (a slice) gives the result of its contiguous copy."""
+    weights, conv, ssm, tokens = mamba_case(*MAMBA_SHAPES[1])
+    wide = torch.cat([tokens[0], tokens[1]], dim=1)[:, : tokens[0].shape[1]]
+    assert not wide.is_contiguous()
+    y = mamba_step_compiled(wide, conv.clone(), ssm.clone(), **weights)
+    assert torch.equal(y, mamba_step_compiled(tokens[0], conv.clone(), ssm.clone(), **weights))

@@ -101,7 +101,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str]:
         return load(cache_dir()), ""
     except Exception as error:  # noqa: BLE001 - whatever goes wrong, the torch path still runs
         reason = str(error) if isinstance(error, BuildError) else f"{type(error).__name__}: {error}"
-        print(f"recurformer: compiled kernels unavailable ({reason}); using the torch path", file=sys.stderr, flush=True)
+        reason = (reason.strip().splitlines() or ["no message"])[0]
+        notice = f"recurformer: compiled kernels unavailable ({reason}); using the torch path"
+        print(notice, file=sys.stderr, flush=True)
         return None, reason
 
 

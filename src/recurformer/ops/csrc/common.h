@@ -27,20 +27,30 @@ typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
 
 typedef uint16_t bf16;  // the raw bits of a bfloat16
 
-// body(i) for i in [0, n), on up to `threads` OpenMP threads when `parallel`. Returns
-// false when a body threw (std::bad_alloc): exceptions must cross neither OpenMP nor
-// the C interface.
+// body(i) for i in [0, n), on up to `threads` OpenMP threads when `parallel`. `balanced`:
+// items are handed out one at a time as threads free up (a thread that the OS suspends
+// does not hold the others back); only for work whose result does not depend on which
+// thread runs an item. Otherwise each thread runs a fixed range of items, so that
+// per-thread partial sums (the backward passes') are the same from run to run.
+// Returns false when a body threw (std::bad_alloc): exceptions must cross neither
+// OpenMP nor the C interface.
 template <typename Body>
-bool parallel_for(int64_t n, int threads, bool parallel, Body body) {
+bool parallel_for(int64_t n, int threads, bool parallel, bool balanced, Body body) {
   int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
-  for (int64_t i = 0; i < n; ++i) {
+  auto run = [&](int64_t i) {
     try {
       body(i);
     } catch (...) {
 #pragma omp atomic write
       failed = 1;
     }
+  };
+  if (balanced) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
+    for (int64_t i = 0; i < n; ++i) run(i);
+  } else {
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
+    for (int64_t i = 0; i < n; ++i) run(i);
   }
   return !failed;
 }
@@ -235,37 +245,32 @@ inline float lane_sum(vf v) {
 }
 
 // Lane sums of up to W vectors at once: out[i] = lane_sum(v[i]) for i < n, 0 beyond.
-// Four rounds, each adding pairs of vectors' halves (a transpose and add), instead of
-// one lane_sum per vector: ~45 operations for 16 sums instead of ~120.
+// Four rounds, each adding the halves of pairs of vectors (a transpose and add): ~45
+// operations for 16 sums instead of ~120, all in registers.
 inline vf lane_sums(const vf* v, int n) {
   static_assert(W == 16, "lane_sums is written for 16 lanes");
-  // Slot bitrev(i) takes v[i]; the rounds below leave slot s's sum in lane bitrev(s),
-  // so that v[i]'s sum ends in lane i.
-  static const int bitrev[W] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  vf x[W];
-  for (int i = 0; i < W; ++i) x[bitrev[i]] = i < n ? v[i] : vf{};
+  // Round 1 pairs v[bitrev(2i)] with v[bitrev(2i + 1)]; the rounds leave the sum of the
+  // vector of slot s in lane bitrev(s), so v[i]'s sum ends in lane i.
+  constexpr int bitrev[W] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  auto at = [&](int slot) { return bitrev[slot] < n ? v[bitrev[slot]] : vf{}; };
+  auto fold = [](vf a, vf b, vi lo, vi hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); };
   // round 1: lanes 0-7 <- a[0-7] + a[8-15], lanes 8-15 <- b[0-7] + b[8-15]
   const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const vi hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  // round 2: groups of 4 (a, b, a, b)
+  // round 2: groups of 4 (a, b, a, b); round 3: groups of 2; round 4: single lanes
   const vi lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
   const vi hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  // round 3: groups of 2
   const vi lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
   const vi hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  // round 4: single lanes
   const vi lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
   const vi hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const vi* lo[4] = {&lo1, &lo2, &lo3, &lo4};
-  const vi* hi[4] = {&hi1, &hi2, &hi3, &hi4};
-  int count = W;
-  for (int round = 0; round < 4; ++round) {
-    count /= 2;
-    for (int i = 0; i < count; ++i)
-      x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], *lo[round]) +
-             __builtin_shuffle(x[2 * i], x[2 * i + 1], *hi[round]);
-  }
-  return x[0];
+  const vf a0 = fold(at(0), at(1), lo1, hi1), a1 = fold(at(2), at(3), lo1, hi1);
+  const vf a2 = fold(at(4), at(5), lo1, hi1), a3 = fold(at(6), at(7), lo1, hi1);
+  const vf a4 = fold(at(8), at(9), lo1, hi1), a5 = fold(at(10), at(11), lo1, hi1);
+  const vf a6 = fold(at(12), at(13), lo1, hi1), a7 = fold(at(14), at(15), lo1, hi1);
+  const vf b0 = fold(a0, a1, lo2, hi2), b1 = fold(a2, a3, lo2, hi2);
+  const vf b2 = fold(a4, a5, lo2, hi2), b3 = fold(a6, a7, lo2, hi2);
+  return fold(fold(b0, b1, lo3, hi3), fold(b2, b3, lo3, hi3), lo4, hi4);
 }
 
 }  // namespace rf

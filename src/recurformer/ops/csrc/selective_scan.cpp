@@ -64,7 +64,7 @@ bool forward(const ScanArgs& a, T* y, float* h_last, float* checkpoints, int thr
   const int64_t items = a.batch * ((Dm + W - 1) / W);
   const int64_t n_chunks = (L + a.chunk - 1) / a.chunk;
   const bool parallel = items > 1 && items * L * N >= 32768;
-  return parallel_for(items, threads, parallel, [&](int64_t index) {
+  return parallel_for(items, threads, parallel, true, [&](int64_t index) {
     FlushDenormals ftz;
     const Item it(index, Dm);
     const T *u = (const T*)a.u, *delta = (const T*)a.delta, *Bm = (const T*)a.B, *Cm = (const T*)a.C,
@@ -119,14 +119,14 @@ bool backward(const ScanArgs& a, const T* gy, const float* g_last, const float* 
   const int64_t items = a.batch * ((Dm + W - 1) / W);
   const int64_t n_chunks = (L + K - 1) / K;
   const bool parallel = items > 1 && items * L * N >= 8192;
-  return parallel_for(items, threads, parallel, [&](int64_t index) {
+  return parallel_for(items, threads, parallel, false, [&](int64_t index) {
     FlushDenormals ftz;
     const Item it(index, Dm);
     const T *u = (const T*)a.u, *delta = (const T*)a.delta, *Bm = (const T*)a.B, *Cm = (const T*)a.C,
             *z = (const T*)a.z;
     float* dB = out.dB + int64_t(thread_id()) * a.batch * L * N;
     float* dC = out.dC + int64_t(thread_id()) * a.batch * L * N;
-    std::vector<vf> A(N), A2(N), g(N), dA(N), start(N), hs(K * N), as(K * N), pB(N), pC(N);
+    std::vector<vf> A(N), A2(N), g(N), dA(N), start(N), hs(K * N), as(K * N);
     std::vector<float> Bbuf(N), Cbuf(N);
     load_state(A.data(), a.A + it.d0 * N, N, it.lanes);
     for (int64_t n = 0; n < N; ++n) A2[n] = A[n] * LOG2E;
@@ -171,23 +171,23 @@ bool backward(const ScanArgs& a, const T* gy, const float* g_last, const float* 
           gy_pre *= zz * s;
         }
         vf d_du = {}, d_dt = {};
-        for (int64_t n = 0; n < N; ++n) {
-          g[n] += gy_pre * Ct[n];  // now dL/dh_t
-          pC[n] = h[n] * gy_pre;
-          pB[n] = g[n] * du;
-          d_du += g[n] * Bt[n];
-          const vf q = g[n] * decay[n] * h_prev[n];  // dL/d(delta_t A)
-          dA[n] += q * dt;
-          d_dt += q * A[n];
-          g[n] *= decay[n];  // the part of dL/dh_{t-1} that flows through h_t
-        }
-        for (int64_t n0 = 0; n0 < N; n0 += W) {
+        for (int64_t n0 = 0; n0 < N; n0 += W) {  // 16 n at a time, each group's sums taken at once
           const int count = int(std::min<int64_t>(W, N - n0));
-          const vf sC = lane_sums(&pC[n0], count), sB = lane_sums(&pB[n0], count);
+          vf pC[W], pB[W];  // per n, the terms of dL/dC_t[n] and dL/dB_t[n] in the lanes
           for (int i = 0; i < count; ++i) {
-            dC[row * N + n0 + i] += sC[i];
-            dB[row * N + n0 + i] += sB[i];
+            const int64_t n = n0 + i;
+            g[n] += gy_pre * Ct[n];  // now dL/dh_t
+            pC[i] = h[n] * gy_pre;
+            pB[i] = g[n] * du;
+            d_du += g[n] * Bt[n];
+            const vf q = g[n] * decay[n] * h_prev[n];  // dL/d(delta_t A)
+            dA[n] += q * dt;
+            d_dt += q * A[n];
+            g[n] *= decay[n];  // the part of dL/dh_{t-1} that flows through h_t
           }
+          float *dCt = dC + row * N + n0, *dBt = dB + row * N + n0;
+          store(dCt, load(dCt, count) + lane_sums(pC, count), count);
+          store(dBt, load(dBt, count) + lane_sums(pB, count), count);
         }
         if (a.D) dD += gy_pre * uu;
         store(out.du + at, d_du * dt + (a.D ? gy_pre * Dv : vf{}), it.lanes);

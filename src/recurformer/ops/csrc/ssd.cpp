@@ -76,7 +76,7 @@ bool forward(const SsdArgs& a, T* y, float* s_last, float* checkpoints, int thre
   const int64_t items = a.batch * H * ((P + W * V - 1) / (W * V));
   const int64_t n_chunks = (L + a.chunk - 1) / a.chunk;
   const bool parallel = items > 1 && items * L * N * V >= 32768;
-  return parallel_for(items, threads, parallel, [&](int64_t index) {
+  return parallel_for(items, threads, parallel, true, [&](int64_t index) {
     FlushDenormals ftz;
     const Item<V> it(index, a);
     const T *x = (const T*)a.x, *dt = (const T*)a.dt, *Bm = (const T*)a.B, *Cm = (const T*)a.C;
@@ -132,7 +132,7 @@ bool backward(const SsdArgs& a, const T* gy, const float* g_last, const float* c
   const int64_t items = a.batch * H * ((P + W * V - 1) / (W * V));
   const int64_t n_chunks = (L + K - 1) / K;
   const bool parallel = items > 1 && items * L * N * V >= 8192;
-  return parallel_for(items, threads, parallel, [&](int64_t index) {
+  return parallel_for(items, threads, parallel, false, [&](int64_t index) {
     FlushDenormals ftz;
     const Item<V> it(index, a);
     const T *x = (const T*)a.x, *dt = (const T*)a.dt, *Bm = (const T*)a.B, *Cm = (const T*)a.C;
@@ -141,7 +141,7 @@ bool backward(const SsdArgs& a, const T* gy, const float* g_last, const float* c
     float* dB = out.dB + tid * a.batch * L * a.groups_B * N;
     float* dC = out.dC + tid * a.batch * L * a.groups_C * N;
     const float A = a.A[it.h], Dh = a.D ? a.D[it.h] : 0.0f;
-    std::vector<vf> g(N * V), start(N * V), states(K * N * V), pB(N), pC(N);
+    std::vector<vf> g(N * V), start(N * V), states(K * N * V);
     std::vector<float> decays(K), Bbuf(N), Cbuf(N);
     if (g_last) load_rows<V>(g.data(), g_last + ((it.b * H + it.h) * P + it.p0) * N, N, it.lanes);
     vf dD = {};
@@ -181,24 +181,26 @@ bool backward(const SsdArgs& a, const T* gy, const float* g_last, const float* c
         const vf* s = &states[(t - t0) * N * V];
         const vf* s_prev = t > t0 ? s - N * V : start.data();
         vf q[V] = {};
-        for (int64_t n = 0; n < N; ++n) {
-          vf* gn = &g[n * V];
-          vf sum_C = {}, sum_B = {};
-          for (int v = 0; v < V; ++v) {
-            gn[v] += gyv[v] * Ct[n];  // now dL/dS_t
-            sum_C += s[n * V + v] * gyv[v];
-            sum_B += gn[v] * dx[v];
-            d_dx[v] += gn[v] * Bt[n];
-            q[v] += gn[v] * s_prev[n * V + v];
-            gn[v] *= decay;  // the part of dL/dS_{t-1} that flows through S_t
-          }
-          pC[n] = sum_C, pB[n] = sum_B;
-        }
-        for (int64_t n0 = 0; n0 < N; n0 += W) {
+        for (int64_t n0 = 0; n0 < N; n0 += W) {  // 16 n at a time, each group's sums taken at once
           const int count = int(std::min<int64_t>(W, N - n0));
-          const vf sC = lane_sums(&pC[n0], count), sB = lane_sums(&pB[n0], count);
+          vf pC[W], pB[W];  // per n, the terms of dL/dC_t[n] and dL/dB_t[n] in the lanes
+          for (int i = 0; i < count; ++i) {
+            const int64_t n = n0 + i;
+            vf* gn = &g[n * V];
+            vf sum_C = {}, sum_B = {};
+            for (int v = 0; v < V; ++v) {
+              gn[v] += gyv[v] * Ct[n];  // now dL/dS_t
+              sum_C += s[n * V + v] * gyv[v];
+              sum_B += gn[v] * dx[v];
+              d_dx[v] += gn[v] * Bt[n];
+              q[v] += gn[v] * s_prev[n * V + v];
+              gn[v] *= decay;  // the part of dL/dS_{t-1} that flows through S_t
+            }
+            pC[i] = sum_C, pB[i] = sum_B;
+          }
           float *dCt = dC + (row * a.groups_C + gC) * N + n0, *dBt = dB + (row * a.groups_B + gB) * N + n0;
-          for (int i = 0; i < count; ++i) dCt[i] += sC[i], dBt[i] += sB[i];
+          store(dCt, load(dCt, count) + lane_sums(pC, count), count);
+          store(dBt, load(dBt, count) + lane_sums(pB, count), count);
         }
         vf x_dx = {}, q_sum = {};
         for (int v = 0; v < V; ++v) {

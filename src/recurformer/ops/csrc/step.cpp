@@ -90,7 +90,7 @@ struct MambaStep {
 template <typename T>
 bool mamba_step(const MambaStep& a, int threads) {
   const int64_t Di = a.channels, N = a.n_state, R = a.dt_rank;
-  return parallel_for(a.batch, threads, a.batch > 1, [&](int64_t b) {
+  return parallel_for(a.batch, threads, a.batch > 1, true, [&](int64_t b) {
     FlushDenormals ftz;
     const T* xz = (const T*)a.xz + b * 2 * Di;
     std::vector<float> xs(Di), dbc(R + 2 * N), delta(Di);
@@ -137,7 +137,7 @@ template <typename T>
 bool mamba2_step(const Mamba2Step& a, int threads) {
   const int64_t H = a.heads, G = a.groups, P = a.head_dim, N = a.n_state;
   const int64_t channels = G * P + G * N + H * N;  // the conv's: x, B, C
-  return parallel_for(a.batch, threads, a.batch > 1, [&](int64_t b) {
+  return parallel_for(a.batch, threads, a.batch > 1, true, [&](int64_t b) {
     FlushDenormals ftz;
     const T* in = (const T*)a.zxbcdt + b * (H * P + channels + H);
     const T *z = in, *dt_raw = in + H * P + channels;

@@ -52,6 +52,7 @@ def selective_scan_compiled(
     _check(u, delta, A, B, C, D, z, initial_state)
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"{_OP}: chunk_size must be a positive integer, got {chunk_size!r}")
+    chunk_size = min(chunk_size, max(1, u.shape[1]))  # no chunk longer than the sequence
     tensors = (u, delta, A, B, C, D, z, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         y, state = _Scan.apply(*tensors, chunk_size, lib)
@@ -103,8 +104,9 @@ def _forward(lib, u, delta, A, B, C, D, z, h0, chunk: int, save: bool):
         checkpoints = u.new_empty(batch, -(-length // chunk), size, dtype=torch.float32)
     p = kernels.pointer
     kernels.run(
-        _OP, lib.rf_selective_scan_forward, io == torch.bfloat16, p(u), p(delta), p(A), p(B), p(C), p(D), p(z), p(h0), p(y), p(h_last),
-        p(checkpoints), batch, length, channels, n_state, chunk, torch.get_num_threads(),
+        _OP, lib.rf_selective_scan_forward, io == torch.bfloat16,
+        p(u), p(delta), p(A), p(B), p(C), p(D), p(z), p(h0), p(y), p(h_last), p(checkpoints),
+        batch, length, channels, n_state, chunk, torch.get_num_threads(),
     )
     saved = (u, delta, A, B, C, D, z, checkpoints) if save else None
     return y, h_last, saved
@@ -139,8 +141,9 @@ class _Scan(torch.autograd.Function):
         dh0 = torch.empty(batch, channels, n_state, **f32)
         p = kernels.pointer
         kernels.run(
-            _OP, ctx.lib.rf_selective_scan_backward, u.dtype == torch.bfloat16, p(u), p(delta), p(A), p(B), p(C), p(D), p(z), p(gy), p(g_last),
-            p(checkpoints), p(du), p(ddelta), p(dz), p(dB), p(dC), p(dA), p(dD), p(dh0),
+            _OP, ctx.lib.rf_selective_scan_backward, u.dtype == torch.bfloat16,
+            p(u), p(delta), p(A), p(B), p(C), p(D), p(z), p(gy), p(g_last), p(checkpoints),
+            p(du), p(ddelta), p(dz), p(dB), p(dC), p(dA), p(dD), p(dh0),
             batch, length, channels, n_state, ctx.chunk, threads,
         )
         dD = None if dD is None else dD.sum(0)

@@ -50,6 +50,7 @@ def ssd_compiled(
     _check(x, dt, A, B, C, D, initial_state)
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"{_OP}: chunk_size must be a positive integer, got {chunk_size!r}")
+    chunk_size = min(chunk_size, max(1, x.shape[1]))  # no chunk longer than the sequence
     tensors = (x, dt, A, B, C, D, initial_state)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         y, state = _Ssd.apply(*tensors, chunk_size, lib)

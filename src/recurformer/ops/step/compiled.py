@@ -43,8 +43,8 @@ def mamba_step_compiled(
         "A_log": (A_log, (channels, n_state), "[Di, N]"),
         "D": (D, (channels,), "[Di]"),
     }
-    _check_states(op, xz, conv_state, (batch, channels, width), "[B, Di, K]", ssm_state,
-                  (batch, channels, n_state), "[B, Di, N]")
+    xz = _check_states(op, "xz", xz, (conv_state, (batch, channels, width), "[B, Di, K]"),
+                       (ssm_state, (batch, channels, n_state), "[B, Di, N]"))
     w = _weights(op, xz.dtype, weights)
     y = xz.new_empty(batch, channels)
     p = kernels.pointer
@@ -91,8 +91,8 @@ def mamba2_step_compiled(
         "D": (D, (heads,), "[H]"),
         "norm_weight": (norm_weight, (heads * head_dim,), "[H P]"),
     }
-    _check_states(op, zxbcdt, conv_state, (batch, channels, width), "[B, G P + G N + H N, K]", ssm_state,
-                  (batch, heads, head_dim, n_state), "[B, H, P, N]")
+    zxbcdt = _check_states(op, "zxbcdt", zxbcdt, (conv_state, (batch, channels, width), "[B, G P + G N + H N, K]"),
+                           (ssm_state, (batch, heads, head_dim, n_state), "[B, H, P, N]"))
     w = _weights(op, zxbcdt.dtype, weights)
     out = zxbcdt.new_empty(batch, heads * head_dim)
     p = kernels.pointer
@@ -116,13 +116,14 @@ def _columns(op: str, tensor, name: str) -> int:
     return tensor.shape[1]
 
 
-def _check_states(op, activations, conv_state, conv_shape, conv_layout, ssm_state, ssm_shape, ssm_layout) -> None:
-    """The activations, and the two states updated in place: the conv state in the
-    activations' dtype, the SSM state in fp32 (both contiguous, since they are written)."""
-    name = "xz" if op == "mamba_step" else "zxbcdt"
+def _check_states(op: str, name: str, activations: Tensor, conv: tuple, ssm: tuple) -> Tensor:
+    """Check the activations and the two states, given as (tensor, shape, layout): the conv
+    state in the activations' dtype, the SSM state in fp32, both contiguous since they are
+    written in place. Returns the activations, contiguous."""
     kernels.check(op, name, activations, None)
-    kernels.check(op, "conv_state", conv_state, conv_shape, conv_layout)
-    kernels.check(op, "ssm_state", ssm_state, ssm_shape, ssm_layout)
+    (conv_state, *conv_shape), (ssm_state, *ssm_shape) = conv, ssm
+    kernels.check(op, "conv_state", conv_state, *conv_shape)
+    kernels.check(op, "ssm_state", ssm_state, *ssm_shape)
     if conv_state.dtype != activations.dtype:
         raise TypeError(f"{op}: conv_state must have the dtype of {name} ({activations.dtype}), got {conv_state.dtype}")
     if ssm_state.dtype != torch.float32:
@@ -130,6 +131,7 @@ def _check_states(op, activations, conv_state, conv_shape, conv_layout, ssm_stat
     for state_name, state in (("conv_state", conv_state), ("ssm_state", ssm_state)):
         if not state.is_contiguous():
             raise ValueError(f"{op}: {state_name} must be contiguous (it is updated in place)")
+    return activations.contiguous()
 
 
 def _weights(op: str, dtype: torch.dtype, weights: dict) -> dict:
