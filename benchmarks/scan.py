@@ -44,8 +44,12 @@ import torch
 import torch.nn.functional as F
 
 from recurformer.ops import kernels
-from recurformer.ops.selective_scan import selective_scan_chunked, selective_scan_compiled, selective_scan_naive
 from recurformer.ops.selective_scan import chunked as chunked_module
+from recurformer.ops.selective_scan import (
+    selective_scan_chunked,
+    selective_scan_compiled,
+    selective_scan_naive,
+)
 from recurformer.ops.ssd import ssd_chunked, ssd_compiled, ssd_naive
 from recurformer.ops.ssd.chunked import DEFAULT_CHUNK as SSD_CHUNK
 
@@ -73,14 +77,14 @@ KEYS = {
     "fwd_over_matmul_bound": "chunked_fwd_ms / matmul_bound_fwd_ms (the target was <= 3)",
     "fwdbwd_over_matmul_bound": "chunked_fwdbwd_ms / matmul_bound_fwdbwd_ms",
     "fwd_over_pass_floor": "chunked_fwd_ms / pass_floor_fwd_ms",
-    **{
+    
         "compiled_fwd_ms": "selective_scan_compiled forward (C++ kernel), median wall time in ms",
         "compiled_fwdbwd_ms": "compiled forward + backward, median ms",
         "compiled_fwd_speedup": "naive_fwd_ms / compiled_fwd_ms (the target was >= 20)",
         "compiled_fwdbwd_speedup": "naive_fwdbwd_ms / compiled_fwdbwd_ms",
         "compiled_over_chunked_fwd": "chunked_fwd_ms / compiled_fwd_ms",
-        "compiled_over_chunked_fwdbwd": "chunked_fwdbwd_ms / compiled_fwdbwd_ms",
-    },
+        "compiled_over_chunked_fwdbwd": "chunked_fwdbwd_ms / compiled_fwdbwd_ms"
+    ,
 }
 
 
