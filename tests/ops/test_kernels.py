@@ -152,10 +152,10 @@ def test_two_processes_build_once(compiled, fresh, tmp_path):
     """Started together on an empty cache, both load the kernels: one builds, under the
     lock, and the other then finds its build."""
     script = (  # kernels.py alone: importing the package (transformers, ...) would take seconds
-        "import importlib.util as u; spec = u.spec_from_file_location('kernels', {path!r}); "
+        f"import importlib.util as u; spec = u.spec_from_file_location('kernels', {kernels.__file__!r}); "
         "kernels = u.module_from_spec(spec); spec.loader.exec_module(kernels); "
         "lib = kernels.library(); assert lib is not None; print(lib._name)"
-    ).format(path=kernels.__file__)
+    )
     env = {**os.environ, "RECURFORMER_CACHE": str(fresh.parent), "CXX": copying_compiler(tmp_path, compiled._name)}
     runs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True) for _ in range(2)]
