@@ -1,5 +1,6 @@
-"""Speed of the chunked CPU scans against their naive loops: the Mamba-1 selective scan
-(with two reference bounds) and the Mamba-2 SSD.
+"""Speed of the CPU scans against their naive loops: the chunked (eager PyTorch) and
+compiled (C++, `ops/kernels.py`) Mamba-1 selective scan (with two reference bounds for the
+chunked one) and Mamba-2 SSD.
 
 Batch 1, d_inner 384, d_state 16 (a Mamba-1 block of a ~135M model), T in 256, 1024, 4096:
 forward, and forward + backward (gradients w.r.t. u, delta, A, B, C), median of a few
@@ -22,7 +23,10 @@ matmuls per chunk (the backward as twice the forward).
 Writes docs/results/scan.json (the selective scan at the top level, the SSD under "ssd")
 and docs/results/scan.png; parts not measured in a run are kept from the existing file.
 
-    python benchmarks/scan.py [--parts selective,ssd] [--lengths 256,1024,4096] [--repeats 5]
+The compiled kernels are built (or found in the build cache) before anything is timed;
+without them (no compiler, or RECURFORMER_KERNELS=torch) the compiled columns are left out.
+
+    python benchmarks/scan.py [--parts selective,ssd] [--lengths 256,1024,4096] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -40,9 +44,14 @@ import torch
 import torch.nn.functional as F
 
 from recurformer.files import write_json_atomic
+from recurformer.ops import kernels
 from recurformer.ops.selective_scan import chunked as chunked_module
-from recurformer.ops.selective_scan import selective_scan_chunked, selective_scan_naive
-from recurformer.ops.ssd import ssd_chunked, ssd_naive
+from recurformer.ops.selective_scan import (
+    selective_scan_chunked,
+    selective_scan_compiled,
+    selective_scan_naive,
+)
+from recurformer.ops.ssd import ssd_chunked, ssd_compiled, ssd_naive
 from recurformer.ops.ssd.chunked import DEFAULT_CHUNK as SSD_CHUNK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +78,14 @@ KEYS = {
     "fwd_over_matmul_bound": "chunked_fwd_ms / matmul_bound_fwd_ms (the target was <= 3)",
     "fwdbwd_over_matmul_bound": "chunked_fwdbwd_ms / matmul_bound_fwdbwd_ms",
     "fwd_over_pass_floor": "chunked_fwd_ms / pass_floor_fwd_ms",
+    
+        "compiled_fwd_ms": "selective_scan_compiled forward (C++ kernel), median wall time in ms",
+        "compiled_fwdbwd_ms": "compiled forward + backward, median ms",
+        "compiled_fwd_speedup": "naive_fwd_ms / compiled_fwd_ms (the target was >= 20)",
+        "compiled_fwdbwd_speedup": "naive_fwdbwd_ms / compiled_fwdbwd_ms",
+        "compiled_over_chunked_fwd": "chunked_fwd_ms / compiled_fwd_ms",
+        "compiled_over_chunked_fwdbwd": "chunked_fwdbwd_ms / compiled_fwdbwd_ms"
+    ,
 }
 
 
@@ -84,6 +101,12 @@ SSD_KEYS = {
     "matmul_gflop_fwd": "FLOPs of the chunked form's matmuls, forward",
     "matmul_bound_fwd_ms": "matmul_gflop_fwd at sgemm_gflops",
     "fwd_over_matmul_bound": "chunked_fwd_ms / matmul_bound_fwd_ms",
+    "compiled_fwd_ms": "ssd_compiled forward (C++ kernel), median wall time in ms",
+    "compiled_fwdbwd_ms": "compiled forward + backward (states saved every 64 steps), median ms",
+    "compiled_fwd_speedup": "naive_fwd_ms / compiled_fwd_ms",
+    "compiled_fwdbwd_speedup": "naive_fwdbwd_ms / compiled_fwdbwd_ms",
+    "compiled_over_chunked_fwd": "chunked_fwd_ms / compiled_fwd_ms",
+    "compiled_over_chunked_fwdbwd": "chunked_fwdbwd_ms / compiled_fwdbwd_ms",
 }
 
 
@@ -215,26 +238,33 @@ def plot_part(rows: list[dict], title: str, pass_floor: bool, left, right) -> No
         ("chunked_fwd_ms", "chunked forward", "o-"),
         ("naive_fwdbwd_ms", "naive fwd+bwd", "s--"),
         ("chunked_fwdbwd_ms", "chunked fwd+bwd", "s-"),
+        ("compiled_fwd_ms", "compiled forward", "D-"),
+        ("compiled_fwdbwd_ms", "compiled fwd+bwd", "P-"),
         ("matmul_bound_fwd_ms", "matmul bound (fwd)", "^:"),
     ]
     if pass_floor:
         curves.append(("pass_floor_fwd_ms", "elementwise pass floor (fwd)", "v:"))
     for key, label, style in curves:
-        left.plot(lengths, [r[key] for r in rows], style, label=label)
+        if all(key in r for r in rows):
+            left.plot(lengths, [r[key] for r in rows], style, label=label)
     left.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms (median)", title=title)
     left.title.set_fontsize(9)
     left.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     left.set_xticks(lengths, [str(t) for t in lengths])
     left.legend(fontsize=8)
-    width = 0.38
+    bars = [("fwd_speedup", "chunked forward"), ("fwdbwd_speedup", "chunked fwd+bwd"),
+            ("compiled_fwd_speedup", "compiled forward"), ("compiled_fwdbwd_speedup", "compiled fwd+bwd")]
+    bars = [(key, label) for key, label in bars if all(key in r for r in rows)]
+    width = 0.8 / len(bars)
     xs = range(len(rows))
-    for offset, key, label in [(-width / 2, "fwd_speedup", "forward"), (width / 2, "fwdbwd_speedup", "fwd+bwd")]:
-        bars = right.bar([x + offset for x in xs], [r[key] for r in rows], width, label=label)
-        right.bar_label(bars, fmt="%.1fx", fontsize=8)
+    for i, (key, label) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        drawn = right.bar([x + offset for x in xs], [r[key] for r in rows], width, label=label)
+        right.bar_label(drawn, fmt="%.0fx", fontsize=7)
     if pass_floor:
         right.axhline(20, color="gray", linestyle=":", label="20x target")
-    right.set(yscale="log", xlabel="sequence length T", ylabel="naive / chunked (log)", title="speed-up")
-    right.set_yticks([1, 2, 5, 10, 20, 50, 100], ["1", "2", "5", "10", "20", "50", "100"])
+    right.set(yscale="log", xlabel="sequence length T", ylabel="naive / this scan (log)", title="speed-up over naive")
+    right.set_yticks([1, 2, 5, 10, 20, 50, 100, 200, 500], ["1", "2", "5", "10", "20", "50", "100", "200", "500"])
     right.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     right.set_xticks(list(xs), [str(t) for t in lengths])
     right.legend(fontsize=8)
@@ -250,8 +280,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def timings(naive, chunked, length: int, make_inputs, args) -> dict:
-    """Median forward and forward + backward times of both scans at one length."""
+def timings(naive, chunked, compiled, length: int, make_inputs, args) -> dict:
+    """Median forward and forward + backward times of the scans at one length (`compiled`
+    is None when the kernels are unavailable)."""
     row = {"length": length}
     row["naive_fwd_ms"] = median_ms(forward(naive, length, make_inputs), args.repeats)
     row["chunked_fwd_ms"] = median_ms(forward(chunked, length, make_inputs), args.repeats)
@@ -263,6 +294,12 @@ def timings(naive, chunked, length: int, make_inputs, args) -> dict:
     row["chunked_fwdbwd_ms"] = median_ms(forward_backward(chunked, length, make_inputs), args.repeats)
     row["fwd_speedup"] = row["naive_fwd_ms"] / row["chunked_fwd_ms"]
     row["fwdbwd_speedup"] = row["naive_fwdbwd_ms"] / row["chunked_fwdbwd_ms"]
+    if compiled is not None:
+        row["compiled_fwd_ms"] = median_ms(forward(compiled, length, make_inputs), args.repeats)
+        row["compiled_fwdbwd_ms"] = median_ms(forward_backward(compiled, length, make_inputs), args.repeats)
+        for kind in ("fwd", "fwdbwd"):
+            row[f"compiled_{kind}_speedup"] = row[f"naive_{kind}_ms"] / row[f"compiled_{kind}_ms"]
+            row[f"compiled_over_chunked_{kind}"] = row[f"chunked_{kind}_ms"] / row[f"compiled_{kind}_ms"]
     return row
 
 
@@ -276,7 +313,8 @@ def selective_part(lengths: list[int], args, gflops: float) -> dict:
     pass_ns = multiply_pass_ns()
     rows = []
     for length in lengths:
-        row = timings(selective_scan_naive, selective_scan_chunked, length, inputs, args)
+        compiled = selective_scan_compiled if kernels.library() is not None else None
+        row = timings(selective_scan_naive, selective_scan_chunked, compiled, length, inputs, args)
         row["matmul_gflop_fwd"], row["matmul_gflop_fwdbwd"] = matmul_gflop(length)
         row["matmul_bound_fwd_ms"] = row["matmul_gflop_fwd"] / gflops * 1e3
         row["matmul_bound_fwdbwd_ms"] = row["matmul_gflop_fwdbwd"] / gflops * 1e3
@@ -289,7 +327,8 @@ def selective_part(lengths: list[int], args, gflops: float) -> dict:
         rows.append(row)
         show(row)
     return {
-        "description": "selective scan: naive loop vs chunked (CPU, fp32), batch 1, d_inner 384, d_state 16",
+        "description": "selective scan: naive loop vs chunked and compiled (CPU, fp32), batch 1, d_inner 384, "
+                       "d_state 16",
         "keys": KEYS,
         "threads": torch.get_num_threads(),
         "chunk_size": chunked_module._DEFAULT_CHUNK,
@@ -310,14 +349,16 @@ def ssd_part(lengths: list[int], args, gflops: float) -> dict:
     load_before = os.getloadavg()[0]
     rows = []
     for length in lengths:
-        row = timings(ssd_naive, ssd_chunked, length, ssd_inputs, args)
+        compiled = ssd_compiled if kernels.library() is not None else None
+        row = timings(ssd_naive, ssd_chunked, compiled, length, ssd_inputs, args)
         row["matmul_gflop_fwd"] = ssd_matmul_gflop(length)
         row["matmul_bound_fwd_ms"] = row["matmul_gflop_fwd"] / gflops * 1e3
         row["fwd_over_matmul_bound"] = row["chunked_fwd_ms"] / row["matmul_bound_fwd_ms"]
         rows.append(row)
         show(row)
     return {
-        "description": f"SSD (Mamba-2): naive loop vs chunked (CPU, fp32), batch 1, {SSD_HEADS} heads, head dim "
+        "description": f"SSD (Mamba-2): naive loop vs chunked and compiled (CPU, fp32), batch 1, {SSD_HEADS} heads, "
+                       "head dim "
                        f"{SSD_HEAD_DIM}, state {SSD_STATE}, B in {SSD_GROUPS} groups, chunk {SSD_CHUNK}",
         "keys": SSD_KEYS,
         "threads": torch.get_num_threads(),
@@ -346,12 +387,14 @@ def main() -> None:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else {}
+    kernels.library()  # build or load the compiled kernels before anything is timed
     gflops = sgemm_gflops()
     if "selective" in parts:
         data.update(selective_part(lengths, args, gflops))
     if "ssd" in parts:
         data["ssd"] = ssd_part(lengths, args, gflops)
-    data.update(torch_version=torch.__version__, cpu=cpu_name(), cpu_count=os.cpu_count())
+    data.update(torch_version=torch.__version__, cpu=cpu_name(), cpu_count=os.cpu_count(),
+                compiled_kernels=kernels.library() is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, data)
     plot(data, out.with_suffix(".png"))

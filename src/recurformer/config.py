@@ -13,7 +13,7 @@ from typing import Any
 from .errors import RecurformerError
 
 MIXER_KINDS: list[str] = []  # filled as each mixer kind registers (mixers.base.register_mixer)
-SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
+SCAN_BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -1,10 +1,18 @@
-"""The chunked SSD against the naive oracle: outputs, final state and every input gradient."""
+"""The chunked and compiled SSD against the naive oracle: outputs, final state and every
+input gradient."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from recurformer.ops.ssd import cuda_available, ssd, ssd_chunked, ssd_cuda, ssd_naive
+from recurformer.ops.ssd import (
+    cuda_available,
+    ssd,
+    ssd_chunked,
+    ssd_compiled,
+    ssd_cuda,
+    ssd_naive,
+)
 
 
 def make_inputs(length, heads=4, head_dim=8, n_state=6, *, groups=2, batch=2, extras=True, seed=0,
@@ -119,8 +127,10 @@ def test_heads_not_divisible_by_groups_are_rejected():
         ssd_chunked(**make_inputs(8, groups=3))
 
 
-@pytest.mark.parametrize("backend", ["naive", "chunked", "auto"])
-def test_dispatcher_runs_cpu_backends(backend):
+@pytest.mark.parametrize("backend", ["naive", "chunked", "compiled", "auto"])
+def test_dispatcher_runs_cpu_backends(backend, request):
+    if backend == "compiled":
+        request.getfixturevalue("compiled")
     inputs = make_inputs(20)
     y = ssd(**inputs, backend=backend, chunk_size=8)
     assert_matches(y, ssd_naive(**inputs), f"backend={backend}")
@@ -135,3 +145,107 @@ def test_dispatcher_rejects_unknown_backend():
 def test_cuda_backend_without_cuda_raises_clearly():
     with pytest.raises(RuntimeError, match="backend='cuda' needs"):
         ssd_cuda(**make_inputs(4))
+
+
+# --------------------------------------------------------------------------- compiled kernel
+
+
+def assert_compiled_matches(inputs, tol=1e-4, **kwargs):
+    """The compiled SSD against the naive loop: y, final state, every input gradient."""
+    y_ref, state_ref, grads_ref = run_with_grads(ssd_naive, inputs)
+    y, state, grads = run_with_grads(ssd_compiled, inputs, **kwargs)
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype and state.dtype == torch.float32
+    assert_matches(y, y_ref, "y", tol)
+    assert_matches(state, state_ref, "final state", tol)
+    for name in inputs:
+        assert grads[name].dtype == inputs[name].dtype
+        assert_matches(grads[name], grads_ref[name], f"d/d{name}", tol)
+
+
+@pytest.mark.parametrize("length", [1, 63, 257])
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "D-state"])
+def test_compiled_matches_naive(compiled, length, extras):
+    """Head dim 21 (a full and a partial vector of 16 rows), 19 states (lane sums of a
+    full and a partial group), batch 2, chunks of 16 (ragged tails)."""
+    assert_compiled_matches(make_inputs(length, head_dim=21, n_state=19, extras=extras), chunk_size=16)
+
+
+@pytest.mark.parametrize("head_dim", [5, 40, 64, 80])
+def test_compiled_head_sizes(compiled, head_dim):
+    """One partial vector, 3 vectors (one partial), 4 full ones, and two work items per head."""
+    assert_compiled_matches(make_inputs(70, head_dim=head_dim, seed=1), chunk_size=32)
+
+
+@pytest.mark.parametrize("groups", [1, 4], ids=["one-group", "per-head"])
+def test_compiled_b_shared_by_all_heads_or_per_head(compiled, groups):
+    inputs = make_inputs(70, groups=groups, seed=4)
+    inputs["C"] = inputs["C"][:, :, :2].contiguous()  # C in 2 groups, B in `groups`
+    assert_compiled_matches(inputs, chunk_size=16)
+
+
+def test_compiled_stiff_and_padding_steps(compiled):
+    """Steps with dt A = -2000 among ones of about -0.01, and zero (padding) steps."""
+    inputs = make_inputs(300, seed=3, dt_scale=0.05)
+    inputs["A"] = torch.tensor([-0.5, -1.0, -20.0, -1.0])
+    inputs["dt"][0, [40, 41, 150, 151, 152, 260], 1] = 2000.0
+    inputs["dt"][1, :30] = 0.0
+    assert_compiled_matches(inputs, chunk_size=32)
+
+
+def test_compiled_bf16_inputs(compiled):
+    """bf16 x, dt, B, C, D (fp32 A and state), computed in fp32; y and the gradients are
+    rounded to bf16 (~4e-3 relative), so 1e-2 of the scale."""
+    inputs = make_inputs(63, head_dim=21)
+    for name in ("x", "dt", "B", "C", "D"):
+        inputs[name] = inputs[name].to(torch.bfloat16)
+    assert_compiled_matches(inputs, tol=1e-2, chunk_size=16)
+
+
+def test_compiled_empty_sequence(compiled):
+    inputs = make_inputs(0)
+    y, state = ssd_compiled(**inputs, return_final_state=True)
+    assert y.shape == (2, 0, 4, 8)
+    assert torch.equal(state, inputs["initial_state"])
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (lambda i: i.update(dt=i["dt"][:, :, :3]), ValueError, r"ssd: dt must have shape \[2, 8, 4\] \[B, T, H\], got \[2, 8, 3\]"),
+        (lambda i: i.update(B=i["B"][:, :, :, :5]), ValueError, r"ssd: C must have shape \[2, 8, 4, 5\]"),
+        (lambda i: i.update(x=i["x"][0]), ValueError, "ssd: x must be a 4-d tensor"),
+        (lambda i: i.update(B=i["B"][:, :, :1].expand(-1, -1, 3, -1)), ValueError, "ssd: 4 heads cannot share 3 groups evenly"),
+        (lambda i: i.update(A=i["A"].double()), TypeError, "ssd: A must be float32 or bfloat16, got torch.float64"),
+        (lambda i: i.update(initial_state=i["initial_state"].to("meta")), ValueError, "ssd: initial_state must be on the CPU"),
+    ],
+    ids=["shape", "state-size", "rank", "groups", "float64", "device"],
+)
+def test_compiled_rejects_bad_inputs_in_one_line(compiled, change, error, message):
+    inputs = make_inputs(8)
+    change(inputs)
+    with pytest.raises(error, match=message) as raised:
+        ssd_compiled(**inputs)
+    assert "\n" not in str(raised.value)
+
+
+def test_auto_picks_compiled_when_built(compiled):
+    inputs = make_inputs(40)
+    assert torch.equal(ssd(**inputs, backend="auto"), ssd_compiled(**inputs))
+
+
+def test_compiled_threads_and_determinism(compiled):
+    """The forward pass is the same with 1 or 2 threads (no sums across work items); the
+    backward pass, whose per-thread sums depend on the thread count, repeats exactly.
+    (Large enough for the kernels to use threads.)"""
+    inputs = make_inputs(100, heads=6, head_dim=32, n_state=16, groups=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1, _, _ = run_with_grads(ssd_compiled, inputs, chunk_size=16)
+        torch.set_num_threads(2)
+        y2, _, grads = run_with_grads(ssd_compiled, inputs, chunk_size=16)
+        _, _, again = run_with_grads(ssd_compiled, inputs, chunk_size=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(grads[name], again[name]) for name in grads)

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import MixerConfig
-from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.conv import causal_conv1d
 from ..ops.selective_scan import selective_scan
+from ..ops.step import mamba_step
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 
@@ -131,23 +132,13 @@ class MambaMixer(Mixer):
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, updating the state in place (the recurrence of `selective_scan_naive`
-        with T = 1, written out so that decoding costs a few small ops per layer)."""
-        xs, z = self.in_proj(x).chunk(2, dim=-1)  # [B, d_inner] each
-        xs, conv_state = causal_conv1d_step(xs, self.conv_weight, self.conv_bias, state["conv"])
-        state["conv"].copy_(conv_state)
-        xs = F.silu(xs)
-        delta, B, C = self._ssm_inputs(xs)
-        # In fp32 whatever the activations' dtype, as the scan of the prefill: a bf16 update
-        # would round the state at every token and drift from it.
-        u, delta, B, C, z = (t.float() for t in (xs, delta, B, C, z))
-        # Decays below e^-80 are kept at e^-80: exp would otherwise return denormals, which
-        # are ~100x slower on x86 and change the state by less than 1e-34 of its size.
-        decay = torch.exp((delta.unsqueeze(-1) * self.A.float()).clamp_min(-80.0))  # [B, d_inner, N]
-        ssm = state["ssm"].float()  # the state itself when it is fp32
-        ssm.mul_(decay).addcmul_((delta * u).unsqueeze(-1), B.unsqueeze(1))
-        state["ssm"].copy_(ssm)  # a no-op for an fp32 state
-        y = torch.bmm(ssm, C.unsqueeze(-1)).squeeze(-1) + self.D.float() * u
-        return self.out_proj((y * F.silu(z)).to(x.dtype))
+        with T = 1): everything between in_proj and out_proj is one op (`ops/step`), one
+        compiled call when the kernels are built."""
+        y = mamba_step(
+            self.in_proj(x), state["conv"], state["ssm"], self.conv_weight, self.conv_bias, self.x_proj.weight,
+            self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, backend=self.config.scan_backend,
+        )
+        return self.out_proj(y)
 
     @property
     def A(self) -> Tensor:

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import MixerConfig
-from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.conv import causal_conv1d
+from ..ops.gated_norm import gated_rms_norm
 from ..ops.ssd import ssd
+from ..ops.step import mamba2_step
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 _NORM_EPS = 1e-5
@@ -124,18 +126,8 @@ class Mamba2Mixer(Mixer):
         return -torch.exp(self.A_log)
 
     def _output(self, y: Tensor, z: Tensor) -> Tensor:
-        """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`.
-
-        The gate and the norm run in fp32 (as Mamba-2's gated RMSNorm): in bf16, torch's
-        rsqrt rounds differently for a sequence and for one token, so a decode step would
-        differ from the prefill in a quarter of the channels."""
-        g = y.float() * F.silu(z.float()).unflatten(-1, (self.n_heads, self.head_dim))
-        if self.norm_weight is not None:
-            g = g * torch.rsqrt(g.square().mean(-1, keepdim=True) + _NORM_EPS)
-            g = g.flatten(-2) * self.norm_weight.float()
-        else:
-            g = g.flatten(-2)
-        return self.out_proj(g.to(y.dtype))
+        """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`."""
+        return self.out_proj(gated_rms_norm(y, z, self.norm_weight, _NORM_EPS))
 
     def forward(
         self,
@@ -144,7 +136,6 @@ class Mamba2Mixer(Mixer):
         attention_mask: Tensor | None = None,
         position_embeddings: PositionEmbeddings | None = None,
     ) -> Tensor:
-        batch, length = x.shape[:2]
         z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
         if attention_mask is not None:
             keep = attention_mask.to(xbc.dtype).unsqueeze(-1)  # [B, T, 1]
@@ -173,28 +164,14 @@ class Mamba2Mixer(Mixer):
         return self._output(y, z)
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
-        """One token, updating the state in place (the recurrence of `ssd_naive` with T = 1,
-        written out so that decoding costs a few small ops per layer)."""
-        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        xbc, conv_state = causal_conv1d_step(xbc, self.conv_weight, self.conv_bias, state["conv"])
-        state["conv"].copy_(conv_state)
-        xs, B, C = F.silu(xbc).split(self.conv_splits, dim=-1)
-        dt = F.softplus(dt + self.dt_bias)  # [B, H]
-        group = self.n_heads // self.n_groups
-        xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(group, dim=1)  # [B, H, P]
-        B = B.unflatten(-1, (self.n_groups, self.d_state)).repeat_interleave(group, dim=1)  # [B, H, N]
-        C = C.unflatten(-1, (self.n_heads, self.d_state))  # [B, H, N]
-        # In fp32 whatever the activations' dtype, as the prefill's scan: a bf16 update would
-        # round the state at every token and drift from it.
-        xs, dt, B, C = (t.float() for t in (xs, dt, B, C))
-        # Decays below e^-80 are kept at e^-80: exp would otherwise return denormals, which
-        # are ~100x slower on x86 and change the state by less than 1e-34 of its size.
-        decay = torch.exp((dt * self.A.float()).clamp_min(-80.0))  # [B, H]
-        ssm = state["ssm"].float()  # the state itself when it is fp32
-        ssm.mul_(decay[..., None, None]).add_((dt[..., None] * xs)[..., None] * B[:, :, None, :])
-        state["ssm"].copy_(ssm)  # a no-op for an fp32 state
-        y = (ssm @ C[..., None]).squeeze(-1) + self.D.float()[:, None] * xs
-        return self._output(y.to(z.dtype), z)
+        """One token, updating the state in place (the recurrence of `ssd_naive` with T = 1):
+        everything between in_proj and out_proj is one op (`ops/step`), one compiled call
+        when the kernels are built."""
+        g = mamba2_step(
+            self.in_proj(x), state["conv"], state["ssm"], self.conv_weight, self.conv_bias, self.dt_bias, self.A_log,
+            self.D, self.norm_weight, self.n_groups, _NORM_EPS, backend=self.config.scan_backend,
+        )
+        return self.out_proj(g)
 
     def allocate_state(self, batch: int, dtype, device) -> MixerState:
         """`conv`: the last `d_conv` inputs, in `dtype`; `ssm`: the accumulated state, in the

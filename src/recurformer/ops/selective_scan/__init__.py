@@ -1,19 +1,23 @@
 """Mamba-1 selective scan: one entry point, several backends with one signature.
 
 Backends: `naive` (fp32 loop, the oracle), `chunked` (fast CPU PyTorch, autograd),
-`cuda` (mamba-ssm's kernel, only when it imports and the tensors are on a GPU).
-`auto` picks `cuda` when usable, else `chunked`.
+`compiled` (our C++ kernel, CPU, built on first use: `ops/kernels.py`), `cuda`
+(mamba-ssm's kernel, only when it imports and the tensors are on a GPU). `auto` picks
+`cuda` when usable, else `compiled` when it is built and takes the tensors (CPU, fp32 or
+bf16), else `chunked`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from .. import kernels
 from .chunked import selective_scan_chunked
+from .compiled import selective_scan_compiled
 from .cuda import cuda_available, selective_scan_cuda
 from .naive import selective_scan_naive
 
-BACKENDS = ("auto", "naive", "chunked", "cuda")
+BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 
 
 def selective_scan(
@@ -32,10 +36,16 @@ def selective_scan(
     if backend not in BACKENDS:
         raise ValueError(f"unknown scan backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "cuda" if u.is_cuda and initial_state is None and cuda_available() else "chunked"
+        if u.is_cuda and initial_state is None and cuda_available():
+            backend = "cuda"
+        elif kernels.usable(u, delta, A, B, C, D, z, initial_state):
+            backend = "compiled"
+        else:
+            backend = "chunked"
     kernel = {
         "naive": selective_scan_naive,
         "chunked": selective_scan_chunked,
+        "compiled": selective_scan_compiled,
         "cuda": selective_scan_cuda,
     }[backend]
     return kernel(u, delta, A, B, C, D, z, initial_state, return_final_state)
@@ -44,7 +54,8 @@ def selective_scan(
 __all__ = [
     "BACKENDS",
     "selective_scan",
-    "selective_scan_naive",
     "selective_scan_chunked",
+    "selective_scan_compiled",
     "selective_scan_cuda",
+    "selective_scan_naive",
 ]

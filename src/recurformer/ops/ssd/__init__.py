@@ -1,19 +1,23 @@
 """Mamba-2 SSD scan: one entry point, several backends with one signature.
 
 Backends: `naive` (fp32 loop, the oracle), `chunked` (matmul-based CPU PyTorch, autograd),
-`cuda` (mamba-ssm's kernel, only when it imports and the tensors are on a GPU).
-`auto` picks `cuda` when usable, else `chunked`.
+`compiled` (our C++ kernel, CPU, built on first use: `ops/kernels.py`), `cuda` (mamba-ssm's
+kernel, only when it imports and the tensors are on a GPU). `auto` picks `cuda` when
+usable, else `compiled` when it is built and takes the tensors (CPU, fp32 or bf16), else
+`chunked`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from .. import kernels
 from .chunked import DEFAULT_CHUNK, ssd_chunked
+from .compiled import ssd_compiled
 from .cuda import cuda_available, ssd_cuda
 from .naive import per_head, ssd_naive
 
-BACKENDS = ("auto", "naive", "chunked", "cuda")
+BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 
 
 def ssd(
@@ -29,15 +33,21 @@ def ssd(
     chunk_size: int = DEFAULT_CHUNK,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """SSD with shapes as in `ssd_naive`; `backend` picks the kernel, `chunk_size` the
-    chunk length of the chunked kernels (the naive loop has none)."""
+    chunk length of the chunked kernels (for `compiled`: the steps between the states it
+    saves for the backward pass; the naive loop has none)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown scan backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "cuda" if x.is_cuda and cuda_available() else "chunked"
+        if x.is_cuda and cuda_available():
+            backend = "cuda"
+        elif kernels.usable(x, dt, A, B, C, D, initial_state):
+            backend = "compiled"
+        else:
+            backend = "chunked"
     if backend == "naive":
         return ssd_naive(x, dt, A, B, C, D, initial_state, return_final_state)
-    kernel = ssd_chunked if backend == "chunked" else ssd_cuda
+    kernel = {"chunked": ssd_chunked, "compiled": ssd_compiled, "cuda": ssd_cuda}[backend]
     return kernel(x, dt, A, B, C, D, initial_state, return_final_state, chunk_size=chunk_size)
 
 
-__all__ = ["BACKENDS", "cuda_available", "per_head", "ssd", "ssd_chunked", "ssd_cuda", "ssd_naive"]
+__all__ = ["BACKENDS", "cuda_available", "per_head", "ssd", "ssd_chunked", "ssd_compiled", "ssd_cuda", "ssd_naive"]

@@ -1,0 +1,77 @@
+"""Decode steps of the mamba and mamba2 mixers (everything between in_proj and out_proj for
+one token), with one signature per mixer and two backends: `naive` (PyTorch, the oracle,
+runs anywhere) and `compiled` (one C++ call, CPU). `auto` picks `compiled` when the
+kernels are built and the tensors suit them (CPU, fp32 / bf16, fp32 SSM state), else the
+PyTorch step; the scan backends `chunked` and `cuda` also take the PyTorch step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from .compiled import mamba2_step_compiled, mamba_step_compiled
+from .naive import mamba2_step_naive, mamba_step_naive
+
+
+def _compiled(backend: str, activations: Tensor, conv_state: Tensor, ssm_state: Tensor, *weights) -> bool:
+    if backend == "compiled":
+        return True
+    return (
+        backend == "auto"
+        and ssm_state.dtype == torch.float32
+        and conv_state.dtype == activations.dtype
+        and kernels.usable(activations, conv_state, ssm_state, *weights)
+    )
+
+
+def mamba_step(
+    xz: Tensor,
+    conv_state: Tensor,
+    ssm_state: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    x_proj_weight: Tensor,
+    dt_proj_weight: Tensor,
+    dt_proj_bias: Tensor,
+    A_log: Tensor,
+    D: Tensor,
+    backend: str = "auto",
+) -> Tensor:
+    """One mamba decode step, shapes as in `mamba_step_naive`; `backend` as the mixer's
+    `scan_backend`."""
+    args = (xz, conv_state, ssm_state, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D)
+    step = mamba_step_compiled if _compiled(backend, *args[:3], *args[3:]) else mamba_step_naive
+    return step(*args)
+
+
+def mamba2_step(
+    zxbcdt: Tensor,
+    conv_state: Tensor,
+    ssm_state: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    dt_bias: Tensor,
+    A_log: Tensor,
+    D: Tensor,
+    norm_weight: Tensor | None,
+    groups: int,
+    eps: float,
+    backend: str = "auto",
+) -> Tensor:
+    """One mamba2 decode step, shapes as in `mamba2_step_naive`; `backend` as the mixer's
+    `scan_backend`."""
+    tensors = (zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)
+    step = mamba2_step_compiled if _compiled(backend, *tensors) else mamba2_step_naive
+    return step(*tensors, groups, eps)
+
+
+__all__ = [
+    "mamba2_step",
+    "mamba2_step_compiled",
+    "mamba2_step_naive",
+    "mamba_step",
+    "mamba_step_compiled",
+    "mamba_step_naive",
+]
