@@ -32,7 +32,20 @@ MIXERS = {
     "mamba": MixerConfig(),
     "mamba2": MixerConfig(kind="mamba2", ssd_chunk=16),
     "window": MixerConfig(kind="window", window=16, sinks=2),
+    "window+mamba": MixerConfig(kind="window+mamba", window=16, sinks=2),
+    "window+mamba2": MixerConfig(kind="window+mamba2", window=16, sinks=2, ssd_chunk=16),
 }
+
+
+def open_gates(converted, seed: int = 0):
+    """Give the window+* mixers' gates random values: they start at zero, which would hide
+    the recurrent branch from every test. Returns the model."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in converted.named_parameters():
+            if name.endswith(".mixer.gate"):
+                p.copy_(torch.randn(p.shape, generator=generator))
+    return converted
 
 
 def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):

@@ -7,7 +7,7 @@ classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads a converted model.
 from .cache import HybridCache
 from .config import ConfigError, MixerConfig, ReplacementSpec
 from .hub import resolve_model
-from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, build_mixer
+from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, WindowRecurrentMixer, build_mixer
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM
 from .ops.selective_scan import selective_scan
 from .ops.ssd import ssd
@@ -29,6 +29,7 @@ __all__ = [
     "RecurFormerForCausalLM",
     "ReplacementSpec",
     "WindowMixer",
+    "WindowRecurrentMixer",
     "analyze",
     "build_mixer",
     "convert",

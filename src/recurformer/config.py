@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-MIXER_KINDS = ("mamba", "mamba2", "window")
+MIXER_KINDS = ("mamba", "mamba2", "window", "window+mamba", "window+mamba2")
 SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
 
 
@@ -39,10 +39,13 @@ class MixerConfig:
     what it replaces, so a layer that loses more heads gets a wider mixer).
     `mamba2` (Mamba-2 / SSD): one SSD head per replaced query head, head size `head_dim`.
     `window`: the replaced heads' own softmax attention over the last `window` tokens and
-    the first `sinks` tokens (see docs/mixers.md).
+    the first `sinks` tokens. `window+mamba`, `window+mamba2`: that window plus a recurrent
+    branch of the named kind added through a gate that starts at zero (see docs/mixers.md);
+    they read the window's fields and the recurrent kind's fields.
     """
 
     kind: str = "mamba"
+    # "mamba" and "mamba2" below include the recurrent branch of window+mamba and window+mamba2.
     d_state: int = 16  # mamba: state size per channel
     d_conv: int = 4  # mamba, mamba2: causal conv width
     expand: float = 1.0  # mamba
@@ -56,8 +59,8 @@ class MixerConfig:
     ssd_state: int | str = "head_dim"  # mamba2: state size N per head; "head_dim": N = head_dim
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
-    window: int = 64  # window: tokens attended before and including the current one
-    sinks: int = 4  # window: first tokens of the sequence every query also attends ("attention sinks")
+    window: int = 64  # window, window+*: tokens attended before and including the current one
+    sinks: int = 4  # window, window+*: first tokens of the sequence every query also attends ("attention sinks")
 
     def __post_init__(self) -> None:
         _require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -79,6 +82,11 @@ class MixerConfig:
         _require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
         _require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
         _require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+
+    @property
+    def has_window(self) -> bool:
+        """Whether the kind reads `window` and `sinks`."""
+        return self.kind.startswith("window")
 
     def inner_width(self, d_out: int) -> int:
         """Channels of the recurrence for a mixer producing `d_out` channels."""

@@ -7,8 +7,15 @@ from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHead
 from .mamba import MambaMixer
 from .mamba2 import Mamba2Mixer
 from .window import WindowMixer
+from .window_recurrent import WindowRecurrentMixer
 
-MIXERS: dict[str, type[Mixer]] = {"mamba": MambaMixer, "mamba2": Mamba2Mixer, "window": WindowMixer}
+MIXERS: dict[str, type[Mixer]] = {
+    "mamba": MambaMixer,
+    "mamba2": Mamba2Mixer,
+    "window": WindowMixer,
+    "window+mamba": WindowRecurrentMixer,
+    "window+mamba2": WindowRecurrentMixer,
+}
 
 
 def build_mixer(d_in: int, heads: HeadShape, config: MixerConfig) -> Mixer:
@@ -26,5 +33,6 @@ __all__ = [
     "PositionEmbeddings",
     "ReplacedHeads",
     "WindowMixer",
+    "WindowRecurrentMixer",
     "build_mixer",
 ]

@@ -34,7 +34,7 @@ from ..config import ConfigError, _require
 from ..files import write_json_atomic
 
 STAGES = ("transfer", "lm")
-TRAINABLE_SETS = ("mixers", "mixers+lora", "all")
+TRAINABLE_SETS = ("mixers", "mixers+lora", "tail", "all")
 PRECISIONS = ("auto", "no", "bf16")
 CHECKPOINT = "checkpoint"
 LOG = "train_log.jsonl"
@@ -63,6 +63,7 @@ class TrainConfig:
     trainable: str = "mixers"
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
+    ce_weight: float = 1.0  # lm: weight of the next-token cross-entropy (0: KL to the original only)
     lora_rank: int = 8
     precision: str = "auto"
     checkpoint_every: int = 50
@@ -81,9 +82,13 @@ class TrainConfig:
         _require(0 <= self.warmup < 1, f"--warmup must be in [0, 1), got {self.warmup}")
         _require(self.clip > 0, f"--clip must be > 0, got {self.clip}")
         _require(self.trainable in TRAINABLE_SETS, f"--trainable: unknown {self.trainable!r}; choose one of {', '.join(TRAINABLE_SETS)}")
-        _require(self.stage == "lm" or self.trainable == "mixers", "--trainable applies to --stage lm; the transfer stage trains the mixers only")
+        _require(self.stage == "lm" or self.trainable in ("mixers", "tail"),
+                 f"--trainable {self.trainable} applies to --stage lm; the transfer stage trains the mixers (mixers or tail) only")
         _require(self.distill_weight >= 0, f"--distill-weight must be >= 0, got {self.distill_weight}")
         _require(self.distill_temperature > 0, f"--distill-temperature must be > 0, got {self.distill_temperature}")
+        _require(self.ce_weight >= 0, f"--ce-weight must be >= 0, got {self.ce_weight}")
+        _require(self.ce_weight > 0 or self.distill_weight > 0 or self.stage == "transfer",
+                 "--ce-weight 0 needs --distill-weight > 0: the loss would be zero")
         _require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
         _require(self.precision in PRECISIONS, f"--precision: unknown {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         _require(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
