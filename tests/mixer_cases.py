@@ -21,6 +21,8 @@ CONFIGS = {
     "window-no-sinks": MixerConfig(kind="window", window=5, sinks=0),
     "window+mamba2": MixerConfig(kind="window+mamba2", window=6, sinks=2, ssd_chunk=8),
     "window+mamba": MixerConfig(kind="window+mamba", window=5, sinks=0, d_state=8),
+    "window+linear": MixerConfig(kind="window+linear", window=6, sinks=2, feature_dim=5),
+    "window+linear-no-sinks": MixerConfig(kind="window+linear", window=4, sinks=0),
 }
 
 
@@ -36,6 +38,8 @@ def make_mixer(case: str, heads: HeadShape = HEADS, seed: int = 0):
                 module.A_log.add_(torch.randn_like(module.A_log) * 0.3)
         if hasattr(mixer, "gate"):
             mixer.gate.normal_()
+        if hasattr(mixer, "feature_map"):
+            mixer.feature_map.normal_()
     return mixer
 
 

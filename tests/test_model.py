@@ -41,7 +41,7 @@ def test_a_window_longer_than_the_sequence_reproduces_the_original(arch, attn, b
 # length once, to keep the suite fast.
 DECODE_CASES = [("mamba", beta, prompt) for beta in (0.25, 0.5, 1.0) for prompt in (1, 63, 300)] + [
     (mixer, beta, prompt) for mixer in ("mamba2", "window") for beta, prompt in ((0.25, 63), (0.5, 1), (0.5, 300), (1.0, 63))
-] + [(mixer, beta, prompt) for mixer in ("window+mamba", "window+mamba2") for beta, prompt in ((0.5, 1), (1.0, 300))]
+] + [(mixer, beta, prompt) for mixer in ("window+mamba", "window+mamba2", "window+linear") for beta, prompt in ((0.5, 1), (1.0, 300))]
 
 
 @pytest.mark.parametrize("mixer, beta, prompt", DECODE_CASES)
@@ -121,6 +121,7 @@ SAVED_MIXERS = {
     "window": MixerConfig(kind="window", window=7, sinks=1),
     "window+mamba": MixerConfig(kind="window+mamba", window=5, sinks=0, d_state=4),
     "window+mamba2": MixerConfig(kind="window+mamba2", window=7, sinks=1, ssd_state=6, ssd_chunk=8, ssd_norm=False),
+    "window+linear": MixerConfig(kind="window+linear", window=6, sinks=2, feature_dim=3),
 }
 
 
@@ -172,7 +173,7 @@ def test_a_model_saved_before_the_new_mixers_loads(tmp_path):
 
 
 CACHE_CASES = [("mamba", beta) for beta in (0.25, 0.5, 1.0)] + [
-    ("mamba2", 0.5), ("window", 0.5), ("window", 1.0), ("window+mamba", 0.5), ("window+mamba2", 1.0)
+    ("mamba2", 0.5), ("window", 0.5), ("window", 1.0), ("window+mamba", 0.5), ("window+mamba2", 1.0), ("window+linear", 0.5)
 ]
 
 

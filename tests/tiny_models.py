@@ -34,6 +34,7 @@ MIXERS = {
     "window": MixerConfig(kind="window", window=16, sinks=2),
     "window+mamba": MixerConfig(kind="window+mamba", window=16, sinks=2),
     "window+mamba2": MixerConfig(kind="window+mamba2", window=16, sinks=2, ssd_chunk=16),
+    "window+linear": MixerConfig(kind="window+linear", window=16, sinks=2, feature_dim=6),
 }
 
 

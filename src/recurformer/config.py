@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-MIXER_KINDS = ("mamba", "mamba2", "window", "window+mamba", "window+mamba2")
+MIXER_KINDS = ("mamba", "mamba2", "window", "window+mamba", "window+mamba2", "window+linear")
 SCAN_BACKENDS = ("auto", "naive", "chunked", "cuda")
 
 
@@ -41,7 +41,9 @@ class MixerConfig:
     `window`: the replaced heads' own softmax attention over the last `window` tokens and
     the first `sinks` tokens. `window+mamba`, `window+mamba2`: that window plus a recurrent
     branch of the named kind added through a gate that starts at zero (see docs/mixers.md);
-    they read the window's fields and the recurrent kind's fields.
+    they read the window's fields and the recurrent kind's fields. `window+linear`: that
+    window plus a linear attention over the tokens that left it, sharing the softmax
+    normalizer (LoLCATs), mixed in through a gate that starts at zero.
     """
 
     kind: str = "mamba"
@@ -61,6 +63,7 @@ class MixerConfig:
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
     window: int = 64  # window, window+*: tokens attended before and including the current one
     sinks: int = 4  # window, window+*: first tokens of the sequence every query also attends ("attention sinks")
+    feature_dim: int | str = "head_dim"  # window+linear: each half of the feature map (F = 2 feature_dim)
 
     def __post_init__(self) -> None:
         _require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -82,6 +85,10 @@ class MixerConfig:
         _require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
         _require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
         _require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+        _require(
+            self.feature_dim == "head_dim" or _is_int(self.feature_dim, 1),
+            f"feature_dim must be 'head_dim' or a positive integer, got {self.feature_dim!r}",
+        )
 
     @property
     def has_window(self) -> bool:
@@ -98,6 +105,10 @@ class MixerConfig:
     def resolved_ssd_state(self, head_dim: int) -> int:
         """The mamba2 state size N per head."""
         return head_dim if self.ssd_state == "head_dim" else int(self.ssd_state)
+
+    def resolved_feature_dim(self, head_dim: int) -> int:
+        """The window+linear feature map's half width."""
+        return head_dim if self.feature_dim == "head_dim" else int(self.feature_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,6 +7,7 @@ from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHead
 from .mamba import MambaMixer
 from .mamba2 import Mamba2Mixer
 from .window import WindowMixer
+from .window_linear import WindowLinearMixer
 from .window_recurrent import WindowRecurrentMixer
 
 MIXERS: dict[str, type[Mixer]] = {
@@ -15,6 +16,7 @@ MIXERS: dict[str, type[Mixer]] = {
     "window": WindowMixer,
     "window+mamba": WindowRecurrentMixer,
     "window+mamba2": WindowRecurrentMixer,
+    "window+linear": WindowLinearMixer,
 }
 
 
@@ -32,6 +34,7 @@ __all__ = [
     "MixerState",
     "PositionEmbeddings",
     "ReplacedHeads",
+    "WindowLinearMixer",
     "WindowMixer",
     "WindowRecurrentMixer",
     "build_mixer",

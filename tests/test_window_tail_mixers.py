@@ -1,4 +1,5 @@
-"""window+mamba / window+mamba2: start exactly at the window, and a gate that opens.
+"""window+mamba, window+mamba2, window+linear: start exactly at the window, and a gate
+that opens; window+linear against an explicit [T, T] computation of its formula.
 
 The shared interface (decode, chunked prefill, padding, state size) is checked for these
 kinds with the others in test_mixers.py and test_model.py."""
@@ -8,15 +9,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import recurformer  # noqa: F401  (registers the Auto classes)
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 from recurformer import MixerConfig, WindowRecurrentMixer
 from recurformer.config import ConfigError
-from recurformer.mixers import ReplacedHeads
+from recurformer.mixers import ReplacedHeads, WindowLinearMixer, WindowMixer, build_mixer
 from recurformer.surgery import convert
 
 from mixer_cases import D_IN, HEADS, positions_for, rope
 from tiny_models import open_gates, spec_for, tiny_model
 
-KINDS = ("window+mamba", "window+mamba2")
+KINDS = ("window+mamba", "window+mamba2", "window+linear")
 
 
 def logits(model, ids):
@@ -41,7 +44,7 @@ def test_reuse_init_gives_the_window_mixers_logits(arch, kind, beta):
 
 def make(kind, **fields):
     torch.manual_seed(0)
-    mixer = WindowRecurrentMixer(D_IN, HEADS, MixerConfig(kind=kind, window=5, sinks=1, **fields))
+    mixer = build_mixer(D_IN, HEADS, MixerConfig(kind=kind, window=5, sinks=1, **fields))
     q, k, v = torch.randn(4, 8, D_IN), torch.randn(2, 8, D_IN), torch.randn(2, 8, D_IN)
     mixer.init_from_heads(ReplacedHeads(q, k, v, None, None, None, group_size=2))
     return mixer, (q, k, v)
@@ -65,8 +68,11 @@ def test_reuse_init_makes_the_tail_a_linear_attention_of_the_same_heads():
     assert branch(x).abs().mean() > 1e-3
 
 
-def contribution(mixer, x):
-    return mixer.gate * mixer.recurrent(x)
+def contribution(mixer, x, pe):
+    """What the tail adds to the window's output."""
+    if isinstance(mixer, WindowRecurrentMixer):
+        return mixer.gate * mixer.recurrent(x)
+    return mixer(x, position_embeddings=pe) - WindowMixer.forward(mixer, x, position_embeddings=pe)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -74,22 +80,20 @@ def test_one_step_from_init_opens_the_gate_and_the_next_one_trains_the_branch(ki
     mixer, _ = make(kind)
     x, target = torch.randn(2, 30, D_IN), torch.randn(2, 30, HEADS.d_out)
     pe = rope(positions_for(2, 30))
-    tail = mixer.tail_parameters()
-    window_before = {n: p.clone() for n, p in mixer.window.named_parameters()}
-    branch_before = {n: p.clone() for n, p in mixer.recurrent.named_parameters()}
-    optimizer = torch.optim.AdamW(tail, lr=1e-2)
+    tail = {id(p) for p in mixer.tail_parameters()}
+    before = {n: p.clone() for n, p in mixer.named_parameters()}
+    optimizer = torch.optim.AdamW(mixer.tail_parameters(), lr=1e-2)
     with torch.no_grad():
-        assert torch.equal(contribution(mixer, x), torch.zeros(2, 30, HEADS.d_out))
-    for _ in range(2):
+        assert contribution(mixer, x, pe).abs().max() <= 1e-5  # window+linear: its own softmax, not sdpa
+    for i in range(2):
         optimizer.zero_grad()
         (mixer(x, position_embeddings=pe) - target).square().mean().backward()
         optimizer.step()
-        if _ == 0:
+        if i == 0:
             with torch.no_grad():
-                assert contribution(mixer, x).abs().mean() > 1e-4
-    changed = [n for n, p in mixer.recurrent.named_parameters() if not torch.equal(p, branch_before[n])]
-    assert "in_proj.weight" in changed and "out_proj.weight" in changed
-    assert all(torch.equal(p, window_before[n]) for n, p in mixer.window.named_parameters())
+                assert contribution(mixer, x, pe).abs().mean() > 1e-4
+    changed = {n for n, p in mixer.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {n for n, p in mixer.named_parameters() if id(p) in tail}  # every tail parameter, nothing else
 
 
 def test_a_zero_gate_in_front_of_a_zero_projection_would_be_stuck():
@@ -105,7 +109,7 @@ def test_a_zero_gate_in_front_of_a_zero_projection_would_be_stuck():
         (mixer(x, position_embeddings=rope(positions_for(2, 30))) - target).square().mean().backward()
         optimizer.step()
     with torch.no_grad():
-        assert torch.equal(contribution(mixer, x), torch.zeros(2, 30, HEADS.d_out))
+        assert torch.equal(contribution(mixer, x, None), torch.zeros(2, 30, HEADS.d_out))
 
 
 def test_tail_parameters_are_the_branch_and_the_gate():
@@ -160,3 +164,71 @@ def test_a_window_beyond_the_position_limit_is_refused(kind):
     with pytest.raises(ConfigError, match=r"^window 513 is larger than the model's position limit \(512 positions\)$"):
         convert(model, spec_for(model, 0.5), MixerConfig(kind=kind, window=513))
     convert(model, spec_for(model, 0.5), MixerConfig(kind=kind, window=512))
+
+
+def linear_reference(mixer, x, pe):
+    """window+linear's formula with explicit [T, T] masks."""
+    batch, length, _ = x.shape
+    H, G, D, w, sinks = mixer.n_heads, mixer.n_kv_heads, mixer.head_dim, mixer.window, mixer.sinks
+    q = mixer.q_proj(x).view(batch, length, H, D).transpose(1, 2)
+    k = mixer.k_proj(x).view(batch, length, G, D).transpose(1, 2)
+    v = mixer.v_proj(x).view(batch, length, G, D).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *pe)
+    k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+    W = mixer.feature_map.repeat_interleave(H // G, dim=0)  # [H, D, F/2]
+
+    def phi(t):
+        p = torch.einsum("bhld,hde->bhle", t, W)
+        return torch.cat([p.softmax(-1), (-p).softmax(-1)], -1)
+
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    in_window = (j <= i) & ((i - j < w) | (j < sinks))
+    in_tail = (j >= sinks) & (j <= i - w)
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5
+    scores = scores.masked_fill(~in_window, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    linear = (phi(q) @ phi(k).transpose(-1, -2)) * in_tail
+    alpha = mixer.log_alpha.exp()[:, None, None]
+    window = (e @ v) / e.sum(-1, keepdim=True)
+    hybrid = (e @ v + alpha * linear @ v) / (e.sum(-1, keepdim=True) + alpha * linear.sum(-1, keepdim=True))
+    out = window + mixer.gate[:, None, None] * (hybrid - window)
+    return out.transpose(1, 2).reshape(batch, length, H * D)
+
+
+@pytest.mark.parametrize("window, sinks", [(1, 0), (4, 2), (7, 0), (60, 3)])
+def test_window_linear_matches_its_formula(window, sinks):
+    torch.manual_seed(0)
+    mixer = WindowLinearMixer(D_IN, HEADS, MixerConfig(kind="window+linear", window=window, sinks=sinks, feature_dim=6))
+    with torch.no_grad():
+        mixer.gate.normal_()
+        mixer.log_alpha.normal_()
+        mixer.feature_map.normal_()
+    x = torch.randn(2, 41, D_IN)
+    pe = rope(positions_for(2, 41))
+    with torch.no_grad():
+        expected = linear_reference(mixer, x, pe)
+        state = mixer.allocate_state(2, torch.float32, "cpu")
+        steps = [mixer(x[:, :9], state, position_embeddings=tuple(t[:, :9] for t in pe))]
+        steps += [mixer.step(x[:, t], state, tuple(p[:, t:t + 1] for p in pe))[:, None] for t in range(9, 41)]
+        torch.testing.assert_close(mixer(x, position_embeddings=pe), expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(steps, 1), expected, atol=1e-5, rtol=1e-4)
+    # The tail matters here: with the gate closed the output differs.
+    with torch.no_grad():
+        mixer.gate.zero_()
+        assert (linear_reference(mixer, x, pe) - expected).abs().max() > 1e-3 or window >= 41
+
+
+def test_window_linear_state_holds_the_evicted_tokens_sums():
+    torch.manual_seed(0)
+    mixer = WindowLinearMixer(D_IN, HEADS, MixerConfig(kind="window+linear", window=5, sinks=2, feature_dim=3))
+    state = mixer.allocate_state(1, torch.float32, "cpu")
+    assert state["tail_kv"].shape == (1, 2, 6, 8) and state["tail_k"].shape == (1, 2, 6)
+    x = torch.randn(1, 12, D_IN)
+    with torch.no_grad():
+        mixer(x, state, position_embeddings=rope(positions_for(1, 12)))
+        k = mixer.k_proj(x).view(1, 12, 2, 8).transpose(1, 2)
+        _, k = apply_rotary_pos_emb(k, k, *rope(positions_for(1, 12)))
+        evicted = k[:, :, 2:7]  # tokens 2..6 left the window of token 11 (7..11); 0, 1 are sinks
+        p = torch.einsum("bgsd,gde->bgse", evicted, mixer.feature_map)
+        features = torch.cat([p.softmax(-1), (-p).softmax(-1)], -1)
+    torch.testing.assert_close(state["tail_k"], features.sum(2), atol=1e-6, rtol=1e-5)
