@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ConfigError
+from ..mixers import Mixer
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHUNK = 512  # rows of logits computed at once
@@ -27,9 +28,9 @@ CHUNK = 512  # rows of logits computed at once
 
 def tail_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The recurrent branches and gates of the model's `window+*` mixers (an error if none)."""
-    found = [p for module in model.modules() if hasattr(module, "tail_parameters") for p in module.tail_parameters()]
+    found = [p for module in model.modules() if isinstance(module, Mixer) for p in module.tail_parameters()]
     if not found:
-        raise ConfigError("--trainable tail needs window+* mixers (window+mamba, window+mamba2); this model has none")
+        raise ConfigError("--trainable tail needs window+* mixers (window+mamba, window+mamba2, window+linear); this model has none")
     return found
 
 
