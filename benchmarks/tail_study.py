@@ -30,7 +30,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from recurformer import HeadScores, MixerConfig, convert, select_heads  # noqa: E402
 from recurformer.data import load_documents, token_sequences, tokenize_documents  # noqa: E402
-from recurformer.evaluate import perplexity  # noqa: E402
 from recurformer.mixers import Mamba2Mixer, window_recurrent  # noqa: E402
 from recurformer.ops.conv import causal_conv1d  # noqa: E402
 from recurformer.ops.ssd import ssd  # noqa: E402
@@ -83,12 +82,29 @@ def load_teacher():
     return model, AutoTokenizer.from_pretrained(MODEL)
 
 
-def evaluate(model, tokenizer, tokens: int, context: int) -> dict:
-    results = {}
+BUCKETS = ((1, 64), (64, 256), (256, 1024), (1024, 2048))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, tokens: int, context: int) -> tuple[dict, dict]:
+    """Perplexity of each evaluation text over non-overlapping windows of `context` tokens
+    (as `evaluate.perplexity` with stride = context), and by the scored token's position
+    in its window (BUCKETS, [first, last) positions)."""
+    results, by_position = {}, {}
     for name, file in EVAL.items():
         ids = torch.tensor(tokenize_documents(tokenizer, load_documents([DATA / file])))[:tokens]
-        results[name] = perplexity(model, ids, context=context, batch_size=1, progress=False).ppl
-    return results
+        nll = torch.zeros(context)
+        count = torch.zeros(context)
+        for start in range(0, len(ids) - 1, context):
+            window = ids[start:start + context]
+            logits = model(window[None], use_cache=False).logits[0, :-1].float()
+            losses = F.cross_entropy(logits, window[1:], reduction="none")
+            nll[1:len(window)] += losses
+            count[1:len(window)] += 1
+        results[name] = torch.exp(nll.sum() / count.sum()).item()
+        by_position[name] = {f"{a}-{b}": torch.exp(nll[a:b].sum() / count[a:b].sum()).item()
+                             for a, b in BUCKETS if a < context}
+    return results, by_position
 
 
 def main() -> None:
@@ -153,7 +169,7 @@ def main() -> None:
         if gates:
             record["gate_abs_mean"] = sum(gates) / len(gates)
     record["train_s"] = round(time.monotonic() - started, 1)
-    record["ppl"] = evaluate(model, tokenizer, args.eval_tokens, args.context)
+    record["ppl"], record["ppl_by_position"] = evaluate(model, tokenizer, args.eval_tokens, args.context)
     record["total_s"] = round(time.monotonic() - started, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
