@@ -19,17 +19,27 @@ CONFIGS = {
     "mamba2-gate-only": MixerConfig(kind="mamba2", ssd_state=5, ssd_norm=False, ssd_chunk=8),
     "window": MixerConfig(kind="window", window=6, sinks=2),
     "window-no-sinks": MixerConfig(kind="window", window=5, sinks=0),
+    "window+mamba2": MixerConfig(kind="window+mamba2", window=6, sinks=2, ssd_chunk=8),
+    "window+mamba": MixerConfig(kind="window+mamba", window=5, sinks=0, d_state=8),
+    "window+linear": MixerConfig(kind="window+linear", window=6, sinks=2, feature_dim=5),
+    "window+linear-no-sinks": MixerConfig(kind="window+linear", window=4, sinks=0),
 }
 
 
 def make_mixer(case: str, heads: HeadShape = HEADS, seed: int = 0):
-    """The mixer of `case`, with its decays and skips randomized so that they matter."""
+    """The mixer of `case`, with its decays, skips and gates (window+*) randomized so that
+    they matter."""
     torch.manual_seed(seed)
     mixer = build_mixer(D_IN, heads, CONFIGS[case])
     with torch.no_grad():
-        if hasattr(mixer, "A_log"):
-            mixer.D.normal_()
-            mixer.A_log.add_(torch.randn_like(mixer.A_log) * 0.3)
+        for module in mixer.modules():
+            if hasattr(module, "A_log"):
+                module.D.normal_()
+                module.A_log.add_(torch.randn_like(module.A_log) * 0.3)
+        if hasattr(mixer, "gate"):
+            mixer.gate.normal_()
+        if hasattr(mixer, "feature_map"):
+            mixer.feature_map.normal_()
     return mixer
 
 

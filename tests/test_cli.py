@@ -145,8 +145,8 @@ def test_convert_and_train_with_another_mixer(workspace, capsys, mixer, flags, e
     (["--mixer", "rwkv"], "mixer kind: unknown 'rwkv'"),
     (["--mixer", "window", "--window", 0], "window must be a positive integer, got 0"),
     (["--mixer", "window", "--sinks", -2], "sinks must be a non-negative integer, got -2"),
-    (["--window", 8], "--window applies to --mixer window, not --mixer mamba"),
-    (["--mixer", "mamba2", "--sinks", 2], "--sinks applies to --mixer window, not --mixer mamba2"),
+    (["--window", 8], "--window applies to --mixer window|window+mamba|window+mamba2|window+linear, not --mixer mamba"),
+    (["--mixer", "mamba2", "--sinks", 2], "--sinks applies to --mixer window|window+mamba|window+mamba2|window+linear, not --mixer mamba2"),
 ])
 def test_convert_refuses_bad_mixer_flags(workspace, capsys, flags, fragment):
     target = workspace / "never-mixer"

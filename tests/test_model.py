@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import MIXERS, spec_for, tiny_model
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import recurformer  # noqa: F401  (registers the Auto classes)
@@ -40,13 +40,13 @@ def test_a_window_longer_than_the_sequence_reproduces_the_original(arch, attn, b
 # length once, to keep the suite fast.
 DECODE_CASES = [("mamba", beta, prompt) for beta in (0.25, 0.5, 1.0) for prompt in (1, 63, 300)] + [
     (mixer, beta, prompt) for mixer in ("mamba2", "window") for beta, prompt in ((0.25, 63), (0.5, 1), (0.5, 300), (1.0, 63))
-]
+] + [(mixer, beta, prompt) for mixer in ("window+mamba", "window+mamba2", "window+linear") for beta, prompt in ((0.5, 1), (1.0, 300))]
 
 
 @pytest.mark.parametrize("mixer, beta, prompt", DECODE_CASES)
 def test_forward_equals_prefill_then_decode(arch, mixer, beta, prompt):
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, beta), MIXERS[mixer], init="random")
+    converted = open_gates(convert(model, spec_for(model, beta), MIXERS[mixer], init="random"))
     ids = torch.randint(0, 97, (2, prompt + 20))
     full = logits(converted, ids)
     with torch.no_grad():
@@ -62,7 +62,7 @@ def test_forward_equals_prefill_then_decode(arch, mixer, beta, prompt):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_left_padded_batch_equals_each_prompt_alone(arch, attn, mixer):
     model = tiny_model(arch, attn)
-    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     prompts = [torch.randint(1, 97, (n,)) for n in (23, 9, 1)]
     width, decode = max(len(p) for p in prompts), 6
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -88,7 +88,7 @@ def test_left_padded_batch_equals_each_prompt_alone(arch, attn, mixer):
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_generate_equals_manual_greedy_loop(arch, mixer):
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     ids = torch.randint(1, 97, (1, 12))
     out = converted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False, pad_token_id=0)
     manual = ids
@@ -118,13 +118,16 @@ SAVED_MIXERS = {
     "mamba": MixerConfig(d_state=4, expand=2.0),
     "mamba2": MixerConfig(kind="mamba2", ssd_state=6, ssd_chunk=8, ssd_norm=False),
     "window": MixerConfig(kind="window", window=7, sinks=1),
+    "window+mamba": MixerConfig(kind="window+mamba", window=5, sinks=0, d_state=4),
+    "window+mamba2": MixerConfig(kind="window+mamba2", window=7, sinks=1, ssd_state=6, ssd_chunk=8, ssd_norm=False),
+    "window+linear": MixerConfig(kind="window+linear", window=6, sinks=2, feature_dim=3),
 }
 
 
 @pytest.mark.parametrize("mixer", sorted(SAVED_MIXERS))
 def test_save_and_load_round_trip(arch, mixer, tmp_path):
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, 0.5), SAVED_MIXERS[mixer])
+    converted = open_gates(convert(model, spec_for(model, 0.5), SAVED_MIXERS[mixer]))
     converted.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(converted)
@@ -168,14 +171,16 @@ def test_a_model_saved_before_the_new_mixers_loads(tmp_path):
     assert torch.equal(logits(loaded, ids), logits(converted, ids))
 
 
-CACHE_CASES = [("mamba", beta) for beta in (0.25, 0.5, 1.0)] + [("mamba2", 0.5), ("window", 0.5), ("window", 1.0)]
+CACHE_CASES = [("mamba", beta) for beta in (0.25, 0.5, 1.0)] + [
+    ("mamba2", 0.5), ("window", 0.5), ("window", 1.0), ("window+mamba", 0.5), ("window+mamba2", 1.0), ("window+linear", 0.5)
+]
 
 
 @pytest.mark.parametrize("mixer, beta", CACHE_CASES)
 def test_cache_bytes(arch, mixer, beta):
     model = tiny_model(arch)
     spec = spec_for(model, beta)
-    converted = convert(model, spec, MIXERS[mixer], init="random")
+    converted = open_gates(convert(model, spec, MIXERS[mixer], init="random"))
     state_bytes = set()
     for length in (40, 200):
         ids = torch.randint(0, 97, (2, length))
@@ -276,7 +281,7 @@ def test_beam_search_with_the_cache_equals_without(arch, mixer):
     """Beam search reorders the cache (K/V buffers and mixer states); recomputing every step
     without a cache must give the same beams."""
     model = tiny_model(arch)
-    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     ids = torch.randint(1, 97, (2, 7))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     assert torch.equal(converted.generate(ids, use_cache=True, **kwargs), converted.generate(ids, use_cache=False, **kwargs))
@@ -296,7 +301,7 @@ def test_kv_buffers_grow_by_blocks():
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_crop_is_refused_once_a_mixer_state_exists(mixer):
     model = tiny_model("llama")
-    converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     with torch.no_grad():
         cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True).past_key_values
     with pytest.raises(ValueError, match="cannot be rolled back"):

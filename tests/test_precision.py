@@ -266,7 +266,8 @@ def test_state_dtype_is_validated():
 
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_cache_bytes_count_each_tensors_own_element_size(mixer):
-    """bf16 model: K/V, conv windows and window buffers at 2 bytes, SSM states at 4."""
+    """bf16 model: K/V, conv windows and window buffers at 2 bytes, accumulated states (SSM
+    states, window+linear's tail sums) at 4."""
     model = tiny_model("llama", dtype=torch.bfloat16)
     converted = convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")
     with torch.no_grad():
@@ -275,7 +276,8 @@ def test_cache_bytes_count_each_tensors_own_element_size(mixer):
     for layer in cache.layers:
         for name, t in (layer.mixer_state or {}).items():
             size = {torch.float32: 4, torch.bfloat16: 2, torch.int64: 8}[t.dtype]
-            assert t.dtype == {"ssm": torch.float32, "index": torch.int64}.get(name, torch.bfloat16), name
+            accumulated = {"ssm": torch.float32, "tail_kv": torch.float32, "tail_k": torch.float32, "index": torch.int64}
+            assert t.dtype == accumulated.get(name.rsplit(".", 1)[-1], torch.bfloat16), name
             expected += t.numel() * size
     assert expected > 0 and cache.nbytes()["mixer_state"] == expected
     assert cache.nbytes()["kv"] == sum(2 * layer.keys.numel() * 2 for layer in cache.layers)

@@ -154,7 +154,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         (dict(steps=None), "exactly one of --steps and --tokens"),
         (dict(lr=-1.0), "--lr must be a positive number"),
         (dict(trainable="everything", stage="lm"), "--trainable: unknown 'everything'"),
-        (dict(trainable="all"), "the transfer stage trains the mixers only"),
+        (dict(trainable="all"), "the transfer stage trains the mixers"),
         (dict(stage="finetune"), "--stage: unknown 'finetune'"),
     ],
 )
@@ -232,3 +232,81 @@ def test_two_processes_follow_the_same_loss_curve_as_one(tmp_path):
     two = run_script(tmp_path, "two", processes=2, accum=1)
     assert len(one) == len(two) == 4
     assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-5, (one, two)
+
+
+def reference_losses(hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, t):
+    """The plain, unchunked losses over full `[N, V]` logits."""
+    logits = hidden @ weight.T
+    ce = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    kl = torch.nn.functional.kl_div(
+        (logits / t).log_softmax(-1), (teacher_hidden @ teacher_weight.T / t).log_softmax(-1),
+        log_target=True, reduction="batchmean",
+    ) * t * t
+    return ce_weight * ce + kl_weight * kl, ce, kl
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("ce_weight, kl_weight, t", [(1.0, 0.0, 1.0), (0.0, 1.0, 2.0), (0.5, 2.0, 1.5)])
+def test_chunked_head_losses_equal_the_plain_ones_and_their_gradients(chunk, ce_weight, kl_weight, t):
+    from recurformer.train.lm import head_losses
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(23, 16, generator=g), torch.randn(50, 16, generator=g)
+    targets = torch.randint(0, 50, (23,), generator=g)
+    targets[[0, 5, 22]] = -100
+    upstream = 0.7  # the loss is scaled after head_losses (e.g. by gradient accumulation)
+    loss, ce, kl = head_losses(hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, t, chunk=chunk)
+    (upstream * loss).backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    expected, ce_ref, kl_ref = reference_losses(hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, t)
+    (upstream * expected).backward()
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close((ce, kl), (ce_ref.detach(), kl_ref.detach() if kl_weight else torch.tensor(0.0)))
+    torch.testing.assert_close(got, (hidden.grad, weight.grad))
+
+
+def test_kl_only_objective_matches_the_teachers_logits(tmp_path):
+    teacher, student, sequences = setup(mixer=MIXERS["window"], init="reuse")
+    objective = LMObjective("mixers", teacher, distill_weight=1.0, ce_weight=0.0)
+    module = objective.prepare(student)
+    ids = sequences[:2]
+    loss, metrics = objective.loss(module, ids)
+    with torch.no_grad():
+        s, t = student(ids, use_cache=False).logits, teacher(ids).logits
+    expected = torch.nn.functional.kl_div(s.log_softmax(-1).flatten(0, 1), t.log_softmax(-1).flatten(0, 1),
+                                          log_target=True, reduction="batchmean")
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4) and metrics["kl"] == pytest.approx(loss.item())
+    assert metrics["ce"] > 1.0  # logged though not trained
+
+
+@pytest.mark.parametrize("stage", ["transfer", "lm"])
+def test_tail_trains_only_the_recurrent_branches_and_gates(tmp_path, stage):
+    teacher, student, sequences = setup(init="reuse", mixer=MIXERS["window+mamba2"])
+    before = {n: p.clone() for n, p in student.state_dict().items()}
+    config = TrainConfig(stage=stage, steps=2, seq_len=SEQ, batch_size=4, lr=1e-2, trainable="tail", warmup=0.0,
+                         distill_weight=1.0, ce_weight=0.0)
+    objective = TransferObjective(teacher, student, "tail") if stage == "transfer" else LMObjective("tail", teacher, 1.0, ce_weight=0.0)
+    train(student, objective, sequences, config, tmp_path, progress=False)
+    changed = changed_parameters(student, before)
+    tail = {n for n in before if ".mixer.recurrent." in n or n.endswith(".mixer.gate")}
+    assert changed == tail
+
+
+@pytest.mark.parametrize("stage", ["transfer", "lm"])
+def test_tail_needs_window_recurrent_mixers(tmp_path, stage):
+    teacher, student, sequences = setup(mixer=MIXERS["mamba2"])
+    objective = TransferObjective(teacher, student, "tail") if stage == "transfer" else LMObjective("tail")
+    with pytest.raises(ConfigError, match="--trainable tail needs window\\+\\* mixers"):
+        objective.prepare(student)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(ce_weight=-1.0), "--ce-weight must be >= 0"), (dict(ce_weight=0.0), "--ce-weight 0 needs --distill-weight > 0")],
+)
+def test_bad_loss_weights_name_the_flag(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(stage="lm", steps=1, **kwargs)

@@ -29,7 +29,18 @@ ARCHITECTURES = {
 
 # One small config per registered mixer kind (each kind reads only its own fields): the
 # window is shorter than most test sequences, so a ring buffer wraps; SSD chunks are short.
-MIXERS = {kind: MixerConfig(kind=kind, window=16, sinks=2, ssd_chunk=16) for kind in MIXER_KINDS}
+MIXERS = {kind: MixerConfig(kind=kind, window=16, sinks=2, ssd_chunk=16, feature_dim=6) for kind in MIXER_KINDS}
+
+
+def open_gates(converted, seed: int = 0):
+    """Give the window+* mixers' gates random values: they start at zero, which would hide
+    the recurrent branch from every test. Returns the model."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in converted.named_parameters():
+            if name.endswith(".mixer.gate"):
+                p.copy_(torch.randn(p.shape, generator=generator))
+    return converted
 
 
 def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -8,7 +8,7 @@ from .cache import HybridCache
 from .config import ConfigError, MixerConfig, ReplacementSpec
 from .errors import RecurformerError
 from .hub import resolve_model
-from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, build_mixer
+from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, WindowRecurrentMixer, build_mixer
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM
 from .ops.selective_scan import selective_scan
 from .ops.ssd import ssd
@@ -31,6 +31,7 @@ __all__ = [
     "RecurformerError",
     "ReplacementSpec",
     "WindowMixer",
+    "WindowRecurrentMixer",
     "analyze",
     "build_mixer",
     "convert",

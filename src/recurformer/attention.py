@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from .config import MixerConfig
+from .config import ConfigError, MixerConfig
 from .mixers import HeadShape, build_mixer
 
 
@@ -62,6 +62,11 @@ class HybridAttention(nn.Module):
             self.v_proj = nn.Linear(hidden, len(self.kept_kv_heads) * self.head_dim, bias=qkv_bias)
         self.mixer = None
         if replaced_q:
+            limit = getattr(config, "max_position_embeddings", None)
+            if mixer_config.has_window and limit is not None and mixer_config.window > limit:
+                raise ConfigError(
+                    f"window {mixer_config.window} is larger than the model's position limit ({limit} positions)"
+                )
             heads = HeadShape(replaced_q, len(self.replaced_kv_heads), self.head_dim, qkv_bias)
             self.mixer = build_mixer(hidden, heads, mixer_config)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)

@@ -15,6 +15,7 @@ from .errors import RecurformerError
 MIXER_KINDS: list[str] = []  # filled as each mixer kind registers (mixers.base.register_mixer)
 SCAN_BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 STATE_DTYPES = ("float32", "bfloat16", "float16")
+WINDOW_KINDS = ("window", "window+mamba", "window+mamba2", "window+linear")  # the kinds that read `window` and `sinks`
 
 
 class ConfigError(RecurformerError, ValueError):
@@ -56,7 +57,11 @@ class MixerConfig:
     what it replaces, so a layer that loses more heads gets a wider mixer).
     `mamba2` (Mamba-2 / SSD): one SSD head per replaced query head, head size `head_dim`.
     `window`: the replaced heads' own softmax attention over the last `window` tokens and
-    the first `sinks` tokens (see docs/mixers.md).
+    the first `sinks` tokens. `window+mamba`, `window+mamba2`: that window plus a recurrent
+    branch of the named kind added through a gate that starts at zero (see docs/mixers.md);
+    they read the window's fields and the recurrent kind's fields. `window+linear`: that
+    window plus a linear attention over the tokens that left it, sharing the softmax
+    normalizer (LoLCATs), mixed in through a gate that starts at zero.
 
     `state_dtype` is the dtype of a recurrent mixer's accumulated state (the SSM state of
     `mamba` and `mamba2`), whatever the model's dtype: fp32 by default, as in mamba-ssm's
@@ -67,6 +72,7 @@ class MixerConfig:
     """
 
     kind: str = option("mamba", "what replaces the heads (docs/mixers.md)", flag="--mixer")
+    # "mamba" and "mamba2" below include the recurrent branch of window+mamba and window+mamba2.
     d_state: int = 16  # mamba: state size per channel
     d_conv: int = 4  # mamba, mamba2: causal conv width
     expand: float = 1.0  # mamba
@@ -80,10 +86,11 @@ class MixerConfig:
     ssd_state: int | str = "head_dim"  # mamba2: state size N per head; "head_dim": N = head_dim
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
-    window: int = option(64, "window mixer: tokens each query attends back, itself included", kinds=("window",))
-    sinks: int = option(4, "window mixer: first tokens every query also attends (attention sinks)", kinds=("window",))
+    window: int = option(64, "window mixers: tokens each query attends back, itself included", kinds=WINDOW_KINDS)
+    sinks: int = option(4, "window mixers: first tokens every query also attends (attention sinks)", kinds=WINDOW_KINDS)
+    feature_dim: int | str = "head_dim"  # window+linear: each half of the feature map (F = 2 feature_dim)
     state_dtype: str = option("float32", "recurrent mixers: dtype of the accumulated state (docs/precision.md)",
-                              kinds=("mamba", "mamba2"))
+                              kinds=("mamba", "mamba2", "window+mamba", "window+mamba2"))
 
     def __post_init__(self) -> None:
         require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -105,8 +112,17 @@ class MixerConfig:
         require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
         require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
         require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
+        require(
+            self.feature_dim == "head_dim" or _is_int(self.feature_dim, 1),
+            f"feature_dim must be 'head_dim' or a positive integer, got {self.feature_dim!r}",
+        )
         require(self.state_dtype in STATE_DTYPES,
                 f"state_dtype: unknown {self.state_dtype!r}; choose one of {', '.join(STATE_DTYPES)}")
+
+    @property
+    def has_window(self) -> bool:
+        """Whether the kind reads `window` and `sinks`."""
+        return self.kind in WINDOW_KINDS
 
     @classmethod
     def from_flags(cls, kind: str, **given: Any) -> "MixerConfig":
@@ -117,7 +133,7 @@ class MixerConfig:
         readers = {f.name: f.metadata.get("kinds") for f in fields(cls)}
         for name in given:
             require(readers[name] is None or kind in readers[name],
-                    f"--{name} applies to --mixer {' or '.join(readers[name] or ())}, not --mixer {kind}")
+                    f"--{name} applies to --mixer {'|'.join(readers[name] or ())}, not --mixer {kind}")
         return config
 
     def inner_width(self, d_out: int) -> int:
@@ -130,6 +146,10 @@ class MixerConfig:
     def resolved_ssd_state(self, head_dim: int) -> int:
         """The mamba2 state size N per head."""
         return head_dim if self.ssd_state == "head_dim" else int(self.ssd_state)
+
+    def resolved_feature_dim(self, head_dim: int) -> int:
+        """The window+linear feature map's half width."""
+        return head_dim if self.feature_dim == "head_dim" else int(self.feature_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

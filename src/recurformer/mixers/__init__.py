@@ -18,6 +18,8 @@ for _module in pkgutil.iter_modules(__path__):
 from .mamba import MambaMixer  # noqa: E402  (the public classes, re-exported)
 from .mamba2 import Mamba2Mixer  # noqa: E402
 from .window import WindowMixer  # noqa: E402
+from .window_linear import WindowLinearMixer  # noqa: E402
+from .window_recurrent import WindowRecurrentMixer  # noqa: E402
 
 
 def build_mixer(d_in: int, heads: HeadShape, config: MixerConfig) -> Mixer:
@@ -34,7 +36,9 @@ __all__ = [
     "MixerState",
     "PositionEmbeddings",
     "ReplacedHeads",
+    "WindowLinearMixer",
     "WindowMixer",
+    "WindowRecurrentMixer",
     "build_mixer",
     "register_mixer",
     "state_dtype",

@@ -126,6 +126,10 @@ class Mixer(nn.Module):
         """Initialize what can be derived from the replaced attention heads ("reuse" init)."""
         raise NotImplementedError
 
+    def tail_parameters(self) -> list[nn.Parameter]:
+        """What the tail-training recipe trains while the rest stays frozen (`window+*`
+        kinds: the part that sees beyond the window); empty for kinds without a tail."""
+        return []
 
 MIXERS: dict[str, type[Mixer]] = {}
 

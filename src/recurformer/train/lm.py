@@ -1,8 +1,16 @@
 """Stage `lm`: end-to-end next-token loss, optionally plus KL to the original model.
 
 Trainable sets: `mixers` (everything else frozen), `mixers+lora` (mixers plus LoRA adapters
-on the attention and MLP projections, merged into the weights at the end; needs `peft`)
-and `all`.
+on the attention and MLP projections, merged into the weights at the end; needs `peft`),
+`tail` (only the recurrent branch and gate of `window+*` mixers: their window's
+projections stay as the heads had them) and `all`.
+
+[ours] Memory. With a 49,152-token vocabulary, the logits of one 2,048-token sequence are
+400 MB in fp32, and a plain KL keeps about five such tensors (student and teacher logits,
+their log-softmaxes, the gradient). The loss here never holds more than `chunk` rows of
+logits: the models return their last hidden states, and `head_losses` computes the logits,
+the loss terms and their gradients one chunk of tokens at a time, keeping only the
+gradient with respect to the hidden states `[N, hidden]` for the backward pass.
 """
 
 from __future__ import annotations
@@ -12,18 +20,118 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ConfigError
+from ..mixers import Mixer
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHUNK = 512  # rows of logits computed at once
+
+
+def tail_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The recurrent branches and gates of the model's `window+*` mixers (an error if none)."""
+    found = [p for module in model.modules() if isinstance(module, Mixer) for p in module.tail_parameters()]
+    if not found:
+        raise ConfigError("--trainable tail needs window+* mixers (window+mamba, window+mamba2, window+linear); this model has none")
+    return found
+
+
+class _HeadLosses(torch.autograd.Function):
+    """Cross-entropy and KL of a linear head's logits, chunk by chunk; see `head_losses`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, temperature, chunk):
+        rows = hidden.shape[0]
+        scored = max(int((targets >= 0).sum()), 1)
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        ce_sum, kl_sum = hidden.new_zeros((), dtype=torch.float32), hidden.new_zeros((), dtype=torch.float32)
+        t = temperature
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            h = hidden[part]
+            logits = (h @ weight.T).float()  # [c, V]
+            grad = torch.zeros_like(logits)
+            target = targets[part]
+            scored_rows = (target >= 0).nonzero(as_tuple=True)[0]
+            log_probs = logits.log_softmax(-1)
+            ce_sum -= log_probs[scored_rows, target[scored_rows]].sum()  # logged even when not trained
+            if ce_weight:
+                grad[scored_rows] += log_probs[scored_rows].exp() * (ce_weight / scored)
+                grad[scored_rows, target[scored_rows]] -= ce_weight / scored
+            if kl_weight:
+                teacher_log = ((teacher_hidden[part] @ teacher_weight.T).float() / t).log_softmax(-1)
+                student_log = (logits / t).log_softmax(-1)
+                teacher_probs = teacher_log.exp()
+                kl_sum += (teacher_probs * (teacher_log - student_log)).sum()
+                # d/dlogits of t^2 KL(teacher || softmax(logits / t)) = t (student - teacher)
+                grad += (student_log.exp() - teacher_probs) * (kl_weight * t / rows)
+            grad_hidden[part] = grad @ weight.float()
+            if grad_weight is not None:
+                grad_weight += grad.T @ h.float()
+        ce = ce_sum / scored
+        kl = kl_sum * t * t / rows
+        ctx.save_for_backward(grad_hidden.to(hidden.dtype), None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(ce, kl)
+        return ce_weight * ce + kl_weight * kl, ce, kl
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_kl):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_loss,
+            None if grad_weight is None else grad_weight * grad_loss,
+            None, None, None, None, None, None, None,
+        )
+
+
+def head_losses(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    teacher_hidden: Tensor | None = None,
+    teacher_weight: Tensor | None = None,
+    ce_weight: float = 1.0,
+    kl_weight: float = 0.0,
+    temperature: float = 1.0,
+    chunk: int = CHUNK,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`ce_weight * CE + kl_weight * t^2 * KL(teacher || student)` of the logits `hidden @ weight.T`.
+
+    Args:
+        hidden `[N, d]`: the student's last hidden states (after the final norm), one row per
+            position; weight `[V, d]`: its output head.
+        targets `[N]`: the token each row predicts, -100 for none (CE is their mean).
+        teacher_hidden `[N, d]`, teacher_weight `[V, d]`: the teacher's (needed if kl_weight).
+        temperature: t of the KL (softmaxes of logits / t); the KL is averaged over all rows.
+
+    Returns (loss, ce, kl): the loss with gradients for `hidden` (and `weight` if it requires
+    them), computed in chunks of `chunk` rows; ce and kl are detached.
+    """
+    if kl_weight and teacher_hidden is None:
+        raise ConfigError("a KL term needs the teacher's hidden states")
+    return _HeadLosses.apply(hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, temperature, chunk)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (PEFT wrappers forward attributes)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def _last_hidden(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """The final-norm hidden states `[b, T, d]`, without computing the logits of every position."""
+    out = model(input_ids=input_ids, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]
 
 
 class LMObjective:
-    """Cross-entropy on packed text, plus `distill_weight * T^2 * KL(teacher || student)`.
+    """`ce_weight` * cross-entropy on packed text, plus `distill_weight * T^2 * KL(teacher || student)`.
 
     Args:
-        trainable: `mixers`, `mixers+lora` or `all`.
+        trainable: `mixers`, `mixers+lora`, `tail` or `all`.
         teacher: the original model (needed when `distill_weight > 0`).
         distill_weight, temperature: the distillation term.
         lora_rank: rank of the LoRA adapters (alpha = 2 * rank).
+        ce_weight: weight of the next-token cross-entropy; 0 trains on the KL alone, which
+            recovers the original model rather than adapting to the training text.
     """
 
     def __init__(
@@ -33,15 +141,23 @@ class LMObjective:
         distill_weight: float = 0.0,
         temperature: float = 1.0,
         lora_rank: int = 8,
+        ce_weight: float = 1.0,
     ):
         if distill_weight > 0 and teacher is None:
             raise ConfigError("--distill-weight > 0 needs the original model as teacher")
+        if ce_weight == 0 and distill_weight == 0:
+            raise ConfigError("--ce-weight 0 needs --distill-weight > 0: the loss would be zero")
         self.trainable, self.distill_weight, self.temperature, self.lora_rank = trainable, distill_weight, temperature, lora_rank
+        self.ce_weight = ce_weight
         self.teacher = None if teacher is None else teacher.eval().requires_grad_(False)
         self.peft = False
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(self.trainable == "all")
+        if self.trainable == "tail":
+            for p in tail_parameters(model):
+                p.requires_grad_(True)
+            return model.train()
         if self.trainable == "mixers+lora":
             try:  # optional dependency (recurformer[lora]), needed only for this trainable set
                 from peft import LoraConfig, get_peft_model
@@ -58,21 +174,22 @@ class LMObjective:
         return model.train()
 
     def loss(self, model: nn.Module, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-        """Next-token loss on `labels` `[b, T]` (default: every token of `input_ids` `[b, T]`)."""
-        out = model(input_ids=input_ids, labels=input_ids if labels is None else labels, use_cache=False)
-        metrics = {"ce": out.loss.item()}
-        if self.distill_weight == 0:
-            return out.loss, metrics
-        with torch.no_grad():
-            target = self.teacher(input_ids, use_cache=False).logits.float()
-        t = self.temperature
-        kl = F.kl_div(
-            F.log_softmax(out.logits.float() / t, dim=-1).flatten(0, 1),
-            F.log_softmax(target / t, dim=-1).flatten(0, 1),
-            log_target=True, reduction="batchmean",
-        ) * t * t
-        metrics["kl"] = kl.item()
-        return out.loss + self.distill_weight * kl, metrics
+        """Loss on `labels` `[b, T]` (default: every next token of `input_ids` `[b, T]`)."""
+        labels = input_ids if labels is None else labels
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()  # position t predicts label t + 1
+        hidden = _last_hidden(model, input_ids).flatten(0, 1)
+        head = _unwrapped(model).get_output_embeddings().weight
+        teacher_hidden = teacher_head = None
+        if self.distill_weight:
+            with torch.no_grad():
+                teacher_hidden = _last_hidden(self.teacher, input_ids).flatten(0, 1)
+            teacher_head = self.teacher.get_output_embeddings().weight
+        loss, ce, kl = head_losses(hidden, head, targets, teacher_hidden, teacher_head,
+                                   self.ce_weight, self.distill_weight, self.temperature)
+        metrics = {"ce": ce.item()}
+        if self.distill_weight:
+            metrics["kl"] = kl.item()
+        return loss, metrics
 
     def finish(self, module: nn.Module) -> None:
         """Merge LoRA adapters into the weights, leaving a plain RecurFormer model."""

@@ -34,7 +34,7 @@ from ..errors import RecurformerError
 from ..files import replace_directory, write_json_atomic
 
 STAGES = ("transfer", "lm")
-TRAINABLE_SETS = ("mixers", "mixers+lora", "all")
+TRAINABLE_SETS = ("mixers", "mixers+lora", "tail", "all")
 PRECISIONS = ("auto", "no", "bf16")
 CHECKPOINT = "checkpoint"
 LOG = "train_log.jsonl"
@@ -60,9 +60,10 @@ class TrainConfig:
     warmup: float = option(0.05, "linear warmup, as a fraction of the steps")
     weight_decay: float = option(0.0, "AdamW weight decay (not on biases, norms, A_log, D)")
     clip: float = option(1.0, "gradient norm clip")
-    trainable: str = option("mixers", "lm stage: " + " | ".join(TRAINABLE_SETS))
+    trainable: str = option("mixers", " | ".join(TRAINABLE_SETS) + " (transfer: mixers or tail)")
     distill_weight: float = option(0.0, "lm stage: weight of the KL divergence to the original model")
     distill_temperature: float = option(1.0, "lm stage: temperature of that KL")
+    ce_weight: float = option(1.0, "lm stage: weight of the next-token cross-entropy (0: KL to the original only)")
     lora_rank: int = option(8, "lm stage: rank of the LoRA adapters (mixers+lora)")
     precision: str = option("auto", "auto (bf16 where bf16 matmuls are fast) | no | bf16")
     checkpoint_every: int = option(50, "steps between checkpoints")
@@ -81,9 +82,13 @@ class TrainConfig:
         require(0 <= self.warmup < 1, f"--warmup must be in [0, 1), got {self.warmup}")
         require(self.clip > 0, f"--clip must be > 0, got {self.clip}")
         require(self.trainable in TRAINABLE_SETS, f"--trainable: unknown {self.trainable!r}; choose one of {', '.join(TRAINABLE_SETS)}")
-        require(self.stage == "lm" or self.trainable == "mixers", "--trainable applies to --stage lm; the transfer stage trains the mixers only")
+        require(self.stage == "lm" or self.trainable in ("mixers", "tail"),
+                f"--trainable {self.trainable} applies to --stage lm; the transfer stage trains the mixers (mixers or tail) only")
         require(self.distill_weight >= 0, f"--distill-weight must be >= 0, got {self.distill_weight}")
         require(self.distill_temperature > 0, f"--distill-temperature must be > 0, got {self.distill_temperature}")
+        require(self.ce_weight >= 0, f"--ce-weight must be >= 0, got {self.ce_weight}")
+        require(self.ce_weight > 0 or self.distill_weight > 0 or self.stage == "transfer",
+                "--ce-weight 0 needs --distill-weight > 0: the loss would be zero")
         require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
         require(self.precision in PRECISIONS, f"--precision: unknown {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         require(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")

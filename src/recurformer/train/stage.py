@@ -22,8 +22,9 @@ def needs_teacher(config: TrainConfig) -> bool:
 def objective_for(config: TrainConfig, student: nn.Module, teacher: nn.Module | None):
     """The stage's objective for `student` (`teacher`: the original model, or None)."""
     if config.stage == "transfer":
-        return TransferObjective(teacher, student)
-    return LMObjective(config.trainable, teacher, config.distill_weight, config.distill_temperature, config.lora_rank)
+        return TransferObjective(teacher, student, config.trainable)
+    return LMObjective(config.trainable, teacher, config.distill_weight, config.distill_temperature, config.lora_rank,
+                       config.ce_weight)
 
 
 def train_stage(

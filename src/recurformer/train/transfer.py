@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..surgery import LayerPlan
+from .lm import tail_parameters
 
 
 class MixerBank(nn.Module):
@@ -35,9 +36,13 @@ class TransferObjective:
     Args:
         teacher: the original model the student was converted from.
         student: the `RecurFormerForCausalLM` whose mixers train.
+        trainable: `mixers` (all of each mixer) or `tail` (only the recurrent branch and
+            gate of `window+*` mixers: on sequences longer than the window they learn what
+            the full heads see and the window does not).
     """
 
-    def __init__(self, teacher: nn.Module, student: nn.Module):
+    def __init__(self, teacher: nn.Module, student: nn.Module, trainable: str = "mixers"):
+        self.trainable = trainable
         self.teacher = teacher.eval().requires_grad_(False)
         text = student.config.text_config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -80,7 +85,10 @@ class TransferObjective:
     def prepare(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(False)
         bank = MixerBank(self.mixers)
-        bank.requires_grad_(True).train()
+        bank.requires_grad_(self.trainable != "tail").train()
+        if self.trainable == "tail":
+            for p in tail_parameters(bank):
+                p.requires_grad_(True)
         return bank
 
     def loss(self, bank: nn.Module, input_ids: Tensor) -> tuple[Tensor, dict[str, float]]:
