@@ -239,3 +239,25 @@ def test_generate_command_continues_a_prompt_greedily(tmp_path, capsys):
     assert printed == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert main(["generate", str(directory), "--prompt", "x", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_a_window_with_a_tail_trains_only_its_tail_on_longer_sequences(texts, tmp_path):
+    """The tail recipe: window+* mixers train their recurrent branch and gate only (the
+    window keeps the heads' projections), on tail_seq_len sequences, the lm stage on the KL."""
+    train, held_out = texts
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    config = RunConfig(model=str(model_dir), data=train, eval_data=held_out, mixer="window+mamba2", quick=True)
+    run = Run(config, tmp_path / "run")
+    lm = run.train_config("lm", 1)
+    assert (lm.trainable, lm.ce_weight, lm.distill_weight, lm.seq_len) == ("tail", 0.0, 1.0, run.sizes.tail_seq_len)
+    assert run.train_config("transfer", 1).trainable == "tail"
+    assert run.train_sequences.shape[1] == run.sizes.tail_seq_len
+
+    until_lm = [stage for stage in STAGES if stage[0] in ("resolve", "analyze", "convert", "plan", "transfer", "lm")]
+    with pytest.raises(FileNotFoundError, match="metrics.json"):  # no report stage: no metrics
+        run_pipeline(config, tmp_path / "run", progress=False, stages=until_lm)
+    before = dict(run.converted("converted").named_parameters())
+    after = dict(Run(config, tmp_path / "run").converted("final").named_parameters())
+    changed = {name for name, p in after.items() if not torch.equal(p, before[name])}
+    assert changed and all(".mixer.recurrent." in name or name.endswith(".mixer.gate") for name in changed)
+    assert any(name.endswith(".mixer.gate") for name in changed)  # the gate opened

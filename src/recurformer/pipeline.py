@@ -11,6 +11,7 @@ interrupted mid-way resumes from its last checkpoint):
                (or take `steps` as given)
 5. `transfer`  train the mixers to reproduce the replaced heads -> transfer/
 6. `lm`        end-to-end next-token training with distillation -> final/
+               (window+* mixers: the tail recipe, only the tail, on the KL alone; docs/run.md)
 7. `evaluate`  every evaluation task that `run` uses (see `evaluate`), original vs converted
 8. `bench`     cache bytes, prefill time and decode speed against the original
 9. `report`    report.md, metrics.json and plots
@@ -55,7 +56,7 @@ from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from .scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
 from .surgery import convert, parameter_report
-from .train import CHECKPOINT, LMObjective, TrainConfig, TransferObjective, seconds_per_step, train_stage
+from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, train_stage
 
 RUN_SCHEMA = "recurformer-run/2"
 TRANSFER_SHARE = 0.35
@@ -159,13 +160,16 @@ class Sizes:
     analysis: AnalysisConfig = AnalysisConfig(sequences=16, seq_len=1024)
     train_seq_len: int = 512
     train_batch: int = 8
+    # window+* kinds (the tail recipe): sequences several times the window, as many tokens per step
+    tail_seq_len: int = 1024
+    tail_batch: int = 4
     bench: BenchConfig = BenchConfig(contexts=(512, 2048, 4096), decode_steps=32)
     fixed_steps: int | None = None  # quick: skip the timing and train this many steps
 
     @classmethod
     def quick(cls) -> "Sizes":
         return cls(analysis=AnalysisConfig(sequences=2, seq_len=128), train_seq_len=64, train_batch=2,
-                   bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
+                   tail_seq_len=96, tail_batch=2, bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
 
 
 @dataclass(frozen=True)
@@ -273,10 +277,17 @@ class Run:
     def train_documents(self) -> list[str]:
         return load_documents(self.config.data)
 
+    @property
+    def tail_recipe(self) -> bool:
+        """Whether the mixer is a window with a tail, trained by the tail recipe
+        (docs/training.md): only the tail, on longer sequences, the lm stage on the KL alone."""
+        return MIXERS[self.config.mixer].has_tail
+
     @cached_property
     def train_sequences(self) -> Tensor:
-        """`[N, train_seq_len]` training sequences, shuffled with the run's seed."""
-        return token_sequences(self.original[1], self.train_documents, self.sizes.train_seq_len, seed=self.config.seed)
+        """`[N, seq_len]` training sequences of the stages' length, shuffled with the run's seed."""
+        length = self.sizes.tail_seq_len if self.tail_recipe else self.sizes.train_seq_len
+        return token_sequences(self.original[1], self.train_documents, length, seed=self.config.seed)
 
     def keep(self, name: str, model) -> None:
         """Hold the converted model `name` (converted, transfer, final) for later stages."""
@@ -294,9 +305,13 @@ class Run:
 
     def train_config(self, stage: str, steps: int) -> TrainConfig:
         lr = dict(zip(("transfer", "lm"), self.config.learning_rates))[stage]
-        extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
-        return TrainConfig(stage=stage, steps=steps, seq_len=self.sizes.train_seq_len, batch_size=self.sizes.train_batch,
-                           checkpoint_every=5, seed=self.config.seed, lr=lr, **extra)
+        if self.tail_recipe:
+            extra = dict(trainable="tail", distill_weight=1.0, ce_weight=0.0) if stage == "lm" else dict(trainable="tail")
+            sizes = dict(seq_len=self.sizes.tail_seq_len, batch_size=self.sizes.tail_batch)
+        else:
+            extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
+            sizes = dict(seq_len=self.sizes.train_seq_len, batch_size=self.sizes.train_batch)
+        return TrainConfig(stage=stage, steps=steps, checkpoint_every=5, seed=self.config.seed, lr=lr, **sizes, **extra)
 
     def task_settings(self) -> RunSettings:
         return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed)
@@ -345,11 +360,12 @@ def _plan(run: Run) -> dict:
     if run.sizes.fixed_steps is not None:
         return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
     student, teacher = run.converted("converted"), run.original[0]
-    probe = run.train_config("lm", 1)
-    lm_step = seconds_per_step(student, lambda copy: LMObjective(probe.trainable, teacher, probe.distill_weight),
-                               run.train_sequences, probe)
-    transfer_step = seconds_per_step(student, lambda copy: TransferObjective(teacher, copy), run.train_sequences,
-                                     run.train_config("transfer", 1))
+    timed = {}
+    for stage in ("transfer", "lm"):
+        probe = run.train_config(stage, 1)
+        timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
+                                        run.train_sequences, probe)
+    transfer_step, lm_step = timed["transfer"], timed["lm"]
     budget = run.config.budget_minutes * 60
     return {
         "transfer_step_s": round(transfer_step, 3), "lm_step_s": round(lm_step, 3),
