@@ -50,7 +50,8 @@ from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
 from .hub import locate, resolve_model
 from .loading import load_converted, load_model, portable_name, save_model
-from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect
+from .memory import PeakMemory
+from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
@@ -417,14 +418,20 @@ def _bench(run: Run) -> dict:
 
 def metric_table(tasks: list[Task] | None = None) -> tuple[list[Metric], list[Row]]:
     """Every metric of a run and the summary table's rows: the evaluation tasks' (in report
-    order), then the run's own (metrics.RUN_METRICS), then each stage's wall time."""
+    order), then the run's own (metrics.RUN_METRICS), then each stage's wall time and peak
+    resident memory."""
     tasks = run_tasks() if tasks is None else tasks
     timed = [name for name, _, _ in STAGES if name != "report"]
     seconds = [Metric(f"seconds_{name}", f"wall time of the {name} stage", (lambda r, n=name: r.records[n]["seconds"]),
                       "{:.1f}", unit="s") for name in timed]
+    memory = [Metric(f"peak_rss_{name}", f"peak resident memory of the process during the {name} stage",
+                     (lambda r, n=name: r.records[n].get("peak_rss_bytes")), mib, "lower", "bytes") for name in timed]
     total = Metric("total_minutes", "wall time of all stages",
                    lambda r: round(sum(r.records[n]["seconds"] for n in timed) / 60, 2), "{:.1f}", unit="min")
-    metrics = [*RUN_METRICS, *(m for t in tasks for m in t.metrics), *seconds, total]
+    peak = Metric("peak_rss", "peak resident memory of the process over all stages",
+                  lambda r: max((r.records[n].get("peak_rss_bytes") or 0 for n in timed), default=0) or None, mib,
+                  "lower", "bytes")
+    metrics = [*RUN_METRICS, *(m for t in tasks for m in t.metrics), *seconds, *memory, total, peak]
     rows = [*(row for t in tasks for row in t.rows), *RUN_ROWS]
     return metrics, rows
 
@@ -481,8 +488,9 @@ def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progre
         bar.set_description(f"run: stage {number}/{len(plan)} {name}")
         if run.record(name) is None:
             started = time.monotonic()
-            record = stage(run)
-            run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2)})
+            with PeakMemory() as memory:
+                record = stage(run)
+            run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2), "peak_rss_bytes": memory.peak})
         bar.update(round(weights.get(name, seconds)))
     bar.close()
     return json.loads(run.layout.metrics.read_text())
