@@ -1,6 +1,9 @@
-import pytest
-from tiny_models import tiny_model, tiny_tokenizer
+import json
 
+import pytest
+from tiny_models import save_tiny_model, tiny_model, tiny_tokenizer
+
+from recurformer.cli import main
 from recurformer.config import ConfigError
 from recurformer.data import DataError
 from recurformer.evaluate import lookup_task, make_options
@@ -72,3 +75,17 @@ def test_bad_haystacks_and_options_are_one_line_errors(tmp_path):
         parse_depths("0.1,half")
     with pytest.raises(ConfigError, match="--depths"):
         make_options(task, {"data": [str(short)], "depths": (1.5,)})
+
+
+def test_the_cli_runs_the_long_range_tasks_and_writes_their_json(tmp_path):
+    directory = save_tiny_model(tmp_path / "model")
+    data = tmp_path / "haystack.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "passkey.json"
+    assert main(["eval", str(directory), "--task", "passkey", "--data", str(data), "--context", "480", "--depths",
+                 "0.2,0.8", "--problems", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["task"] == "passkey" and result["depths"] == [0.2, 0.8] and result["n"] == 2
+    assert main(["eval", str(directory), "--task", "ppl-by-distance", "--data", str(data), "--context", "300",
+                 "--out", str(out)]) == 0
+    assert [b["bucket"] for b in json.loads(out.read_text())["buckets"]] == ["0-64", "64-256", "256-300"]

@@ -82,12 +82,21 @@ def evaluate(model, tokenizer, options: PasskeyOptions) -> dict:
 
 
 def run_options(settings: RunSettings) -> PasskeyOptions:
+    """In `run`, the haystack is the held-out text (any real text serves; it is only read)."""
     if settings.quick:
-        return PasskeyOptions(context=160, depths=(0.5,), problems=1, seed=settings.seed)
-    return PasskeyOptions(context=1024, depths=(0.1, 0.5, 0.9), problems=3, seed=settings.seed)
+        return PasskeyOptions(data=settings.eval_data, context=256, depths=(0.5,), problems=1, seed=settings.seed)
+    return PasskeyOptions(data=settings.eval_data, context=1024, depths=(0.1, 0.5, 0.9), problems=3, seed=settings.seed)
 
 
 register(Task(
     name="passkey", summary="a 5-digit key hidden in real text, greedy generation, exact match (docs/tasks.md)",
-    options=PasskeyOptions, evaluate=evaluate, report_order=15,
+    options=PasskeyOptions, evaluate=evaluate, report_order=15, run_options=run_options,
+    metrics=(
+        *per_model("passkey", "accuracy", "passkey exact match", ("original", "final"), fmt="{:.0%}", better="higher"),
+        Metric("passkey_problems", "passkey problems", lambda r: r.result("passkey", "original")["n"]),
+        Metric("passkey_context", "passkey prompt tokens", lambda r: r.result("passkey", "original")["context"],
+               unit="tokens"),
+    ),
+    rows=(Row("passkey in held-out text, exact match ({passkey_problems} problems, {passkey_context} tokens)",
+              "passkey_original", "passkey_final", None),),
 ))

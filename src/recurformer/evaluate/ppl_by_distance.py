@@ -21,6 +21,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import option, require
+from ..metrics import Metric, Row
 from ..data import EVAL_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
 from .logits import chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
@@ -109,8 +110,23 @@ def run_options(settings: RunSettings) -> PplByDistanceOptions:
     return PplByDistanceOptions(data=settings.eval_data, context=4096, sequences=1)
 
 
+def far_bucket(r, model: str) -> dict:
+    """The farthest position bucket of the task's result on `model`."""
+    return r.result("ppl-by-distance", model)["buckets"][-1]
+
+
 register(Task(
     name="ppl-by-distance", summary="loss by token position on long held-out sequences (docs/tasks.md)",
     options=PplByDistanceOptions, evaluate=evaluate, report_order=5, run_options=run_options,
-    metrics=(),
+    metrics=(
+        *(Metric(f"ppl_far_{m}", f"held-out perplexity at the farthest positions: {m}",
+                 (lambda r, m=m: far_bucket(r, m)["ppl"]), "{:.2f}", "lower") for m in ("original", "final")),
+        Metric("ppl_far_ratio", "held-out perplexity at the farthest positions, converted / original",
+               lambda r: far_bucket(r, "final")["ppl"] / far_bucket(r, "original")["ppl"], "{:.2f}x", "lower", "x"),
+        Metric("ppl_far_positions", "the farthest position bucket", lambda r: far_bucket(r, "original")["bucket"]),
+        Metric("ppl_far_context", "tokens per ppl-by-distance sequence",
+               lambda r: r.result("ppl-by-distance", "original")["context"], "{:,}", unit="tokens"),
+    ),
+    rows=(Row("perplexity at positions {ppl_far_positions} of {ppl_far_context}-token held-out sequences",
+              "ppl_far_original", "ppl_far_final", "ppl_far_ratio"),),
 ))
