@@ -50,14 +50,17 @@ def main() -> None:
                "problems_per_depth": args.problems, "threads": 1, "results": results}
     write_json_atomic(RESULTS / "passkey-prompts.json", summary)
     lines = ["# Passkey prompt formats on the original model", "",
-             f"Model `{args.model}`, haystack `{summary['haystack']}`, depths {', '.join(map(str, depths))}, "
-             f"{args.problems} problems per depth (seeds 0..{args.problems - 1}), greedy, exact match. Written by "
-             "`benchmarks/passkey_prompts.py`; the formats are described in `src/recurformer/tasks/passkey.py`.", "",
+             (f"Model `{args.model}`, haystack `{summary['haystack']}`, depths {', '.join(map(str, depths))}, "
+              f"{args.problems} problems per depth (seed 0), greedy, exact match, 1 torch thread. Written by "
+              "`benchmarks/passkey_prompts.py`; the formats are described in `src/recurformer/tasks/passkey.py`."), "",
              "| format | " + " | ".join(f"{c} tokens" for c in contexts) + " |",
              "|---|" + "---|" * len(contexts)]
     for fmt in FORMATS:
         row = [r for r in results if r["format"] == fmt]
         lines.append(f"| {fmt} | " + " | ".join(f"{r['accuracy']:.0%} ({r['n']})" for r in row) + " |")
+    best = max(FORMATS, key=lambda f: sum(r["accuracy"] for r in results if r["format"] == f))
+    lines += ["", f"Best over both lengths: `{best}` (the task's default format). Each cell is "
+              f"{len(depths) * args.problems} problems: a difference of one or two is noise."]
     write_text_atomic(RESULTS / "passkey-prompts.md", "\n".join(lines) + "\n")
     print(json.dumps({r["format"] + f"@{r['context']}": r["accuracy"] for r in results}))
 

@@ -56,10 +56,10 @@ def test_the_task_runs_and_reports_every_cell(tmp_path):
     data = tmp_path / "haystack.txt"
     data.write_text(TEXT)
     task, _ = lookup_task("passkey")
-    options = make_options(task, {"data": [str(data)], "context": 300, "depths": (0.2, 0.8), "problems": 3})
+    options = make_options(task, {"data": [str(data)], "context": 500, "depths": (0.2, 0.8), "problems": 3})
     result = task.evaluate(tiny_model("llama"), tiny_tokenizer(alphabet=ASCII), options)
     assert result["n"] == 6 and 0.0 <= result["accuracy"] <= 1.0
-    assert [(c["context"], c["depth"], c["n"]) for c in result["cells"]] == [(300, 0.2, 3), (300, 0.8, 3)]
+    assert [(c["context"], c["depth"], c["n"]) for c in result["cells"]] == [(500, 0.2, 3), (500, 0.8, 3)]
 
 
 def test_bad_haystacks_and_options_are_one_line_errors(tmp_path):
@@ -67,10 +67,13 @@ def test_bad_haystacks_and_options_are_one_line_errors(tmp_path):
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_text("\n")
     short.write_text("Too short to hide anything in.\n")
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer(alphabet=ASCII)
     with pytest.raises(DataError, match="empty"):
-        task.evaluate(tiny_model("llama"), tiny_tokenizer(alphabet=ASCII), make_options(task, {"data": [str(empty)], "context": 300}))
+        task.evaluate(model, tokenizer, make_options(task, {"data": [str(empty)], "context": 500}))
     with pytest.raises(DataError, match="fewer than"):
-        task.evaluate(tiny_model("llama"), tiny_tokenizer(alphabet=ASCII), make_options(task, {"data": [str(short)], "context": 300}))
+        task.evaluate(model, tokenizer, make_options(task, {"data": [str(short)], "context": 500}))
+    with pytest.raises(DataError, match="leaves no room for a haystack"):
+        task.evaluate(model, tokenizer, make_options(task, {"data": [str(short)], "context": 100}))
     with pytest.raises(ConfigError, match="--depths"):
         parse_depths("0.1,half")
     with pytest.raises(ConfigError, match="--depths"):
@@ -82,7 +85,7 @@ def test_the_cli_runs_the_long_range_tasks_and_writes_their_json(tmp_path):
     data = tmp_path / "haystack.txt"
     data.write_text(TEXT)
     out = tmp_path / "passkey.json"
-    assert main(["eval", str(directory), "--task", "passkey", "--data", str(data), "--context", "480", "--depths",
+    assert main(["eval", str(directory), "--task", "passkey", "--data", str(data), "--context", "500", "--depths",
                  "0.2,0.8", "--problems", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["task"] == "passkey" and result["depths"] == [0.2, 0.8] and result["n"] == 2

@@ -15,7 +15,7 @@ from ..tasks.passkey import FORMATS, generate_passkey, score_passkey
 from .registry import RunSettings, Task, register
 
 HAYSTACK_CORPORA = ("tinyshakespeare.txt",)
-BEST_FORMAT = "landmark"  # the best of FORMATS on SmolLM2-135M-Instruct (docs/results/passkey-prompts.md)
+BEST_FORMAT = "oneshot"  # the best of FORMATS on SmolLM2-135M-Instruct (docs/results/passkey-prompts.md)
 
 
 def parse_depths(text: str) -> tuple[float, ...]:

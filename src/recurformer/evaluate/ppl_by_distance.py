@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +22,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import option, require
-from ..metrics import Metric, Row
 from ..data import EVAL_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
+from ..metrics import Metric, Row
 from .logits import chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
 
@@ -36,7 +37,7 @@ def buckets(context: int) -> list[tuple[int, int]]:
     edges = list(EDGES)
     while edges[-1] < context:
         edges.append(2 * edges[-1])
-    return [(lo, min(hi, context)) for lo, hi in zip(edges, edges[1:]) if lo < context]
+    return [(lo, min(hi, context)) for lo, hi in pairwise(edges) if lo < context]
 
 
 def bucket_name(lo: int, hi: int) -> str:
