@@ -27,12 +27,13 @@ from .registry import Task, register
 
 @torch.no_grad()
 def agreement(model, reference, windows: Tensor, progress: bool = True) -> dict:
-    """Mean KL(reference || model) per predicted position and top-1 agreement over
-    `windows` `[N, T]` (every position of every window, each window scored from its start)."""
+    """Mean KL(reference || model) of the next-token distributions per position, and top-1
+    agreement, over `windows` `[N, T]` (every position of every window, each window read
+    from its start)."""
     kl_sum, same, tokens = 0.0, 0, 0
     for window in tqdm(windows, desc="agreement", unit="window", disable=not progress):
         hidden, reference_hidden = last_hidden(model, window[None])[0], last_hidden(reference, window[None])[0]
-        for (part, logits), (_, reference_logits) in zip(chunked_logits(model, hidden),
+        for (_, logits), (_, reference_logits) in zip(chunked_logits(model, hidden),
                                                           chunked_logits(reference, reference_hidden)):
             log_p, log_q = F.log_softmax(reference_logits, -1), F.log_softmax(logits, -1)
             kl_sum += (log_p.exp() * (log_p - log_q)).sum().item()
@@ -68,7 +69,8 @@ def evaluate(model, tokenizer, options: AgreementOptions) -> dict:
         ids = tokenize_documents(tokenizer, load_documents([path]))[: options.max_tokens]
         if len(ids) < options.context:
             raise DataError(f"{path} has {len(ids):,} tokens, fewer than one window of --context {options.context}")
-        windows.append((str(path), torch.tensor(ids[: len(ids) // options.context * options.context]).view(-1, options.context)))
+        usable = len(ids) // options.context * options.context
+        windows.append((str(path), torch.tensor(ids[:usable]).view(-1, options.context)))
     reference = load_teacher(model, options.reference).eval()
     files = [{"data": path, **agreement(model.eval(), reference, w)} for path, w in windows]
     tokens = sum(f["tokens"] for f in files)
