@@ -30,7 +30,6 @@ configuration is refused before any work starts.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from transformers import AutoConfig
 
 from .bench import BenchConfig, against_original
 from .config import ConfigError, MixerConfig, option, require
-from .data import DataError, load_documents, token_sequences
+from .data import DATA_ENV, EVAL_CORPORA, TRAIN_CORPORA, DataError, load_documents, shared_corpora, token_sequences
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
 from .hub import locate, resolve_model
@@ -61,18 +60,6 @@ from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, tra
 
 RUN_SCHEMA = "recurformer-run/2"
 TRANSFER_SHARE = 0.35
-TRAIN_CORPORA = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
-EVAL_CORPORA = ("wikitext-2-raw-test.txt",)
-DATA_ENV = "RECURFORMER_DATA"
-
-
-def shared_corpora(names: tuple[str, ...]) -> list[str]:
-    """The files `names` found in `$RECURFORMER_DATA`, else in `../shared/data` (the
-    project's offline corpora, seen from the repository root)."""
-    folder = Path(os.environ.get(DATA_ENV, "../shared/data"))
-    return [str(folder / name) for name in names if (folder / name).is_file()]
-
-
 def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
     """A parser for `TRANSFER,LM`: two values read by `convert`."""
 
