@@ -239,3 +239,19 @@ def test_generate_command_continues_a_prompt_greedily(tmp_path, capsys):
     assert printed == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert main(["generate", str(directory), "--prompt", "x", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_run_with_the_ablation_scorer_converts_the_cheapest_groups(texts, tmp_path):
+    train, held_out = texts
+    model = save_tiny_model(tmp_path / "model", "llama")
+    config = RunConfig(model=str(model), data=train, eval_data=held_out, quick=True, scorer="ablation", beta=0.5)
+    run = Run(config, tmp_path / "run")
+    run.claim(force=False)
+    for name, stage, _ in STAGES:
+        if name in ("resolve", "analyze", "convert"):
+            stage(run)
+    scores = json.loads((tmp_path / "run" / "scores.json").read_text())
+    costs = {(g["layer"], g["kv_head"]): g["ablation"] for g in scores["groups"]}
+    assert scores["ablation"]["ablation_seq_len"] == 128 and not (tmp_path / "run" / "ablation-partial.json").exists()
+    converted = json.loads((tmp_path / "run" / "converted" / "config.json").read_text())
+    assert {tuple(g) for g in converted["replacement"]["groups"]} == set(sorted(costs, key=lambda g: (costs[g], g))[:2])
