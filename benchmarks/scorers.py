@@ -51,7 +51,7 @@ def ablation_scores(model, tokenizer, recency: HeadScores, path: Path, data: Pat
     costs, base = ablation_costs(model, tokens, config, checkpoint=path.with_name(path.name + ".ablation-partial.json"))
     recency.groups["ablation"] = costs
     recency.ablation = {**asdict(config), "base_nll": base, "seconds": time.perf_counter() - start,
-                        "data": [str(data.relative_to(ROOT.parent))]}
+                        "data": [f"../{data.relative_to(ROOT.parent)}"]}
     recency.save(path)
     path.with_name(path.name + ".ablation-partial.json").unlink(missing_ok=True)
     return recency

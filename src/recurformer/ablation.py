@@ -139,6 +139,12 @@ def _run_layers(model, hidden: Tensor, first: int, last: int, position_embedding
     return hidden
 
 
+def _checkpoint_key(model, tokens: Tensor, config: AblationConfig) -> dict:
+    """What a checkpoint's costs depend on: the model's fingerprint, the tokens and the settings."""
+    return {"fingerprint": model_fingerprint(model), "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16],
+            "shape": list(tokens.shape), **asdict(config)}
+
+
 def _load_checkpoint(path: Path | None, key: dict) -> dict[tuple[int, int], float]:
     if path is None or not path.is_file():
         return {}
@@ -170,8 +176,7 @@ def ablation_costs(
     require(config.ablation_from < length, f"--ablation-from {config.ablation_from} must be < the sequence length {length}")
     per_batch = groups_per_batch or kv_heads
     checkpoint = Path(checkpoint) if checkpoint is not None else None
-    key = {"fingerprint": model_fingerprint(model), "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16],
-           "shape": [count, length], **asdict(config)}
+    key = _checkpoint_key(model, tokens, config)
     done = _load_checkpoint(checkpoint, key)
     previous = model.config._attn_implementation
     model.config._attn_implementation = ABLATION_ATTENTION
