@@ -39,6 +39,7 @@ TEXTS = {"held-out": "wikitext-2-raw-test.txt", "out-of-domain": "lee-background
 CALIBRATION = "wikitext-2-valid.txt"
 SCORERS = ("recency", "ablation", "random")
 SECTION = "## Scorers: which groups to window (training-free)"
+BEGIN, END = "<!-- written by benchmarks/scorers.py -->", "<!-- end of benchmarks/scorers.py -->"
 
 
 def ablation_scores(model, tokenizer, recency: HeadScores, path: Path, data: Path) -> HeadScores:
@@ -141,9 +142,11 @@ def main() -> None:
 
 
 def write_section(path: Path, summary: dict, args) -> None:
+    """Replace the generated part of the section (between BEGIN and END); text after END is kept."""
     text = path.read_text()
     head = text.split(SECTION)[0].rstrip("\n")
-    lines = [SECTION, "",
+    tail = text.split(END, 1)[1] if END in text else "\n"
+    lines = [SECTION, "", BEGIN,
              f"`python benchmarks/scorers.py` ([`scorers.json`](scorers.json)): SmolLM2-135M, every selected group "
              f"replaced by the training-free `window` mixer (window 64 + 4 sinks, the heads' own weights), no "
              f"training. Perplexity on the first {args.tokens:,} tokens of `wikitext-2-raw-test.txt` (held-out) "
@@ -158,7 +161,7 @@ def write_section(path: Path, summary: dict, args) -> None:
                   f"the ablation ranking (cheapest first): {a['spearman_recency_vs_ablation']:.3f}. Chosen sets "
                   "shared by recency and ablation: " + ", ".join(
                       f"{a['overlap'][str(b)]} of {a['chosen'][str(b)]} at beta {b}" for b in args.betas) + ".", ""]
-    write_text_atomic(path, head + "\n\n" + "\n".join(lines))
+    write_text_atomic(path, head + "\n\n" + "\n".join(lines) + END + tail)
 
 
 if __name__ == "__main__":
