@@ -6,7 +6,7 @@ For every KV group `(layer, kv_head)` alone, the group's query heads attend only
 
 (exactly what the training-free `window` mixer computes with the same q/k/v weights and
 RoPE), and the cost is the increase of the mean next-token NLL over the tokens at
-positions >= `from_position` of each calibration sequence:
+positions >= `ablation_from` of each calibration sequence:
 
     cost(l, g) = mean NLL(group (l, g) windowed) - mean NLL(original)
 
