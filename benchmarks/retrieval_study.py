@@ -205,7 +205,7 @@ def cache_footprint(model, task, scale: int) -> dict:
     """Cache bytes after a forward over one problem of `scale` x the training length."""
     ids = task.make(1, scale, EVAL_SEED + scale)["input_ids"]
     out = model(ids, use_cache=True)
-    kv, state = cache_bytes(out.past_key_values)
+    kv, _, state = cache_bytes(out.past_key_values)
     return {"tokens": ids.shape[1], "kv_bytes": kv, "state_bytes": state, "bytes": kv + state}
 
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 from tiny_models import save_tiny_model, spec_for, tiny_model
 
-from recurformer.bench import PeakMemory, compare, max_context, median_measurements
+from recurformer.bench import cache_bytes, compare, max_context, median_measurements, new_cache
+from recurformer.config import MixerConfig
+from recurformer.memory import PeakMemory
 from recurformer.cli import main
 from recurformer.surgery import convert
 
@@ -46,20 +48,20 @@ def test_rounds_give_median_ratios_with_their_range():
     assert len(medians) == 4 and all(row["rounds"] == 3 for row in medians)
 
 
-def test_peak_memory_counts_memory_an_earlier_measurement_left_resident():
+def test_settled_peak_memory_counts_memory_an_earlier_measurement_left_resident():
     chunk = 16 << 20  # below glibc's largest mmap threshold: freed chunks stay in the heap
 
     def allocate():
         return [torch.ones(chunk // 4) for _ in range(4)]
 
     for _ in range(2):  # the first frees raise glibc's threshold; later chunks live in the heap
-        with PeakMemory() as first:
+        with PeakMemory(interval=0.002, settle=True) as first:
             buffers = allocate()
         del buffers
-    with PeakMemory() as second:
+    with PeakMemory(interval=0.002, settle=True) as second:
         buffers = allocate()
     del buffers
-    assert first.peak >= 3 * chunk and second.peak >= 3 * chunk
+    assert first.growth >= 3 * chunk and second.growth >= 3 * chunk
 
 
 def test_max_context_for_a_budget():
@@ -81,3 +83,21 @@ def test_bench_command(tmp_path, capsys):
     result = json.loads((tmp_path / "bench.json").read_text())
     assert {r["model"] for r in result["measurements"]} == {"original", "original+static-cache", str(tmp_path / "conv")}
     assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_cache_bytes_count_what_is_held_and_what_is_reserved():
+    """A static cache reserves its full length; a dynamic one what it holds; a hybrid one its
+    buffers, at least what it holds."""
+    model = tiny_model("llama")
+    prompt = torch.randint(0, 97, (1, 20))
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 12 * 4  # K and V, fp32
+    with torch.no_grad():
+        static = model(prompt, past_key_values=new_cache(model, "static", 100), use_cache=True).past_key_values
+        dynamic = model(prompt, past_key_values=new_cache(model, "dynamic", 100), use_cache=True).past_key_values
+        converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="mamba"))
+        hybrid = converted(prompt, past_key_values=new_cache(converted, "hybrid", 100), use_cache=True).past_key_values
+    assert cache_bytes(dynamic) == (20 * per_token, 20 * per_token, 0)
+    held, reserved, state = cache_bytes(static)
+    assert (held, reserved, state) == (20 * per_token, 100 * per_token, 0)
+    held, reserved, state = cache_bytes(hybrid)
+    assert held == 20 * per_token // 2 and reserved >= held and state > 0

@@ -96,7 +96,7 @@ def test_lm_eval_adapter_runs_a_local_task(tmp_path, monkeypatch):
 
 
 def test_every_task_module_registers_itself():
-    assert {"ppl", "hashhop", "mqar", "lm-eval"} <= set(TASKS)
+    assert {"ppl", "hashhop", "mqar", "lm-eval", "ppl-by-distance", "agreement", "passkey"} <= set(TASKS)
     for task in TASKS.values():
         assert task.summary and task.option_names()
         if task.run_options is not None:  # `run` uses it: its options for a full and a quick run are valid

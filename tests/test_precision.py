@@ -118,10 +118,14 @@ def test_save_and_load_in_bf16_round_trips_exactly(arch, mixer, tmp_path):
 def long_memory(converted):
     """Make every recurrent mixer's output its long-memory state, the regime where a state
     rounded at every step drifts: no skip (D = 0), decay rate 1 at dt = 1e-3 (a memory of
-    ~1,000 tokens; the config sets dt), and for mamba B and C of order one."""
+    ~1,000 tokens; the config sets dt), and for mamba B and C of order one. A window+*
+    mixer's gate is opened to one (its tail then counts) and its recurrent branch set up alike."""
     with torch.no_grad():
         for attention in converted.hybrid_attentions():
             mixer = attention.mixer
+            if mixer is not None and hasattr(mixer, "gate"):
+                mixer.gate.fill_(1.0)
+            mixer = getattr(mixer, "recurrent", mixer)
             if mixer is not None and hasattr(mixer, "A_log"):
                 mixer.D.zero_()
                 mixer.A_log.zero_()
@@ -134,6 +138,9 @@ LONG_MEMORY = {
     "mamba": MixerConfig(dt_min=1e-3, dt_max=1e-3),
     "mamba2": MixerConfig(kind="mamba2", ssd_chunk=16, dt_min=1e-3, dt_max=1e-3),
     "window": MIXERS["window"],
+    "window+mamba": MixerConfig(kind="window+mamba", window=16, sinks=2, dt_min=1e-3, dt_max=1e-3),
+    "window+mamba2": MixerConfig(kind="window+mamba2", window=16, sinks=2, ssd_chunk=16, dt_min=1e-3, dt_max=1e-3),
+    "window+linear": MIXERS["window+linear"],
 }
 
 

@@ -182,7 +182,7 @@ def _metrics(quick: bool) -> dict:
         "cache_ratio": 0.506, "decode_tokens_per_s_original": 10.0, "decode_tokens_per_s_final": 14.0,
         "decode_speedup": 1.4, "decode_speedup_vs_static_cache": 1.1, "prefill_time_ratio": 0.9,
         "max_context_in_budget_original": 23_301, "max_context_in_budget_final": 46_573, "cache_budget_bytes": 2**30,
-        "seconds_resolve": 0.1, "seconds_lm": 960.0, "total_minutes": 38.2,
+        "seconds_resolve": 0.1, "seconds_lm": 960.0, "total_minutes": 38.2, "peak_rss_lm": 3 * 2**30,
     }
 
 
@@ -200,7 +200,8 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     assert "| longest context whose cache fits 1,024.0 MiB | 23,301 | 46,573 | |" in full
     assert "| parameters | 134.5M | 141.0M | 1.048x |" in full
     assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.46 |" in full
-    assert "| lm | 960.0 |" in full
+    assert "| lm | 960.0 | 3,072.0 MiB |" in full
+    assert "| resolve | 0.1 |  |" in full  # no memory recorded: blank
     assert "2 torch thread(s)" in full
     assert "| original | 4,096 | 9.50 | 10.0 | 180.0 MiB | 0.0 MiB |" in full
     assert "Quick run" not in full
@@ -213,7 +214,8 @@ def test_every_metric_key_is_declared_once_and_documented():
     shown = {key for row in rows for key in (row.original, row.converted, row.ratio, row.note) if key}
     assert shown <= set(table)
     documented = (Path(__file__).parent.parent / "docs" / "run.md").read_text()
-    missing = [key for key in table if f"`{key}`" not in documented and not key.startswith("seconds_")]
+    per_stage = ("seconds_", "peak_rss_")  # documented as `seconds_<stage>`, `peak_rss_<stage>`
+    missing = [key for key in table if f"`{key}`" not in documented and not key.startswith(per_stage)]
     assert not missing, f"metrics.json keys not documented in docs/run.md: {missing}"
 
 
@@ -239,6 +241,28 @@ def test_generate_command_continues_a_prompt_greedily(tmp_path, capsys):
     assert printed == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert main(["generate", str(directory), "--prompt", "x", "--max-new-tokens", "0"]) == 2
     assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_a_window_with_a_tail_trains_only_its_tail_on_longer_sequences(texts, tmp_path):
+    """The tail recipe: window+* mixers train their recurrent branch and gate only (the
+    window keeps the heads' projections), on tail_seq_len sequences, the lm stage on the KL."""
+    train, held_out = texts
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    config = RunConfig(model=str(model_dir), data=train, eval_data=held_out, mixer="window+mamba2", quick=True)
+    run = Run(config, tmp_path / "run")
+    lm = run.train_config("lm", 1)
+    assert (lm.trainable, lm.ce_weight, lm.distill_weight, lm.seq_len) == ("tail", 0.0, 1.0, run.sizes.tail_seq_len)
+    assert run.train_config("transfer", 1).trainable == "tail"
+    assert run.train_sequences.shape[1] == run.sizes.tail_seq_len
+
+    until_lm = [stage for stage in STAGES if stage[0] in ("resolve", "analyze", "convert", "plan", "transfer", "lm")]
+    with pytest.raises(FileNotFoundError, match="metrics.json"):  # no report stage: no metrics
+        run_pipeline(config, tmp_path / "run", progress=False, stages=until_lm)
+    before = dict(run.converted("converted").named_parameters())
+    after = dict(Run(config, tmp_path / "run").converted("final").named_parameters())
+    changed = {name for name, p in after.items() if not torch.equal(p, before[name])}
+    assert changed and all(".mixer.recurrent." in name or name.endswith(".mixer.gate") for name in changed)
+    assert any(name.endswith(".mixer.gate") for name in changed)  # the gate opened
 
 
 def test_run_with_the_ablation_scorer_converts_the_cheapest_groups(texts, tmp_path):

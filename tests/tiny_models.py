@@ -71,8 +71,10 @@ def spec_for(model, beta: float, seed: int = 0) -> ReplacementSpec:
     return ReplacementSpec(layers, heads, groups[: round(beta * len(groups))])
 
 
-def tiny_tokenizer(vocab_size: int = 97):
-    """A byte-level BPE tokenizer trained on a few lines of text, offline, in milliseconds."""
+def tiny_tokenizer(vocab_size: int = 97, alphabet: list[str] | None = None):
+    """A byte-level BPE tokenizer trained on a few lines of text, offline, in milliseconds.
+    `alphabet`: its initial byte-level characters (default: 60 of them, which 60 varies
+    from process to process; give them when a test needs particular characters, e.g. digits)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,7 +87,7 @@ def tiny_tokenizer(vocab_size: int = 97):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60],
+        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=alphabet or pre_tokenizers.ByteLevel.alphabet()[:60],
         show_progress=False,
     )
     tokenizer.train_from_iterator(text, trainer)

@@ -13,22 +13,18 @@ allocates rather than what an earlier one left resident.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import gc
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-import psutil
 import torch
 from transformers import DynamicCache, StaticCache
 
 from .cache import HybridCache
 from .config import ConfigError, option, require
+from .memory import PeakMemory
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:
@@ -66,6 +62,7 @@ class Measurement:
     prefill_s: float
     decode_tokens_per_s: float
     kv_bytes: int
+    kv_reserved_bytes: int
     state_bytes: int
     cache_bytes: int
     peak_memory_bytes: int
@@ -74,58 +71,20 @@ class Measurement:
         return asdict(self)
 
 
-class PeakMemory:
-    """Samples the process RSS in a background thread; `peak` is the maximum above the start."""
+def cache_bytes(cache) -> tuple[int, int, int]:
+    """(K/V bytes held, K/V bytes reserved, recurrent-state bytes) of a transformers cache.
 
-    def __init__(self, interval: float = 0.002):
-        self.interval, self.process = interval, psutil.Process()
-        self.start = self.peak = 0
-        self._stop = threading.Event()
-
-    def __enter__(self) -> "PeakMemory":
-        gc.collect()
-        release_freed_memory()
-        self.start = self.process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss - self.start)
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss - self.start)
-
-
-@functools.cache
-def _libc():
-    """The C library, looked up once (`find_library` runs external tools); None if absent."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc's `malloc_trim`; a no-op elsewhere), so the
-    resident set size counts live memory: glibc keeps freed tensors' pages resident for reuse."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def cache_bytes(cache) -> tuple[int, int]:
-    """(K/V bytes, recurrent-state bytes) held by a transformers cache."""
+    Held: the keys and values of the tokens seen. Reserved: the memory their tensors occupy
+    (each storage once): a `StaticCache` reserves its full length, a `HybridCache` its
+    buffers (up to one block more than held), a `DynamicCache` about what it holds."""
     if isinstance(cache, HybridCache):
         sizes = cache.nbytes()
-        return sizes["kv"], sizes["mixer_state"]
-    kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
-    return kv, 0
+        return sizes["kv"], sizes["kv_reserved"], sizes["mixer_state"]
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    seen = int(cache.get_seq_length())  # [B, H, T, D] tensors; a static cache's T is its full length
+    held = sum(t.numel() * t.element_size() // t.shape[-2] * min(seen, t.shape[-2]) for t in tensors)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return held, sum(storages.values()), 0
 
 
 CACHES = ("hybrid", "dynamic", "static")
@@ -149,12 +108,12 @@ def measure(
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
     gc.collect()
-    with PeakMemory() as memory:
+    with PeakMemory(interval=0.002, settle=True) as memory:
         cache = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()
         out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - start
-        kv, state = cache_bytes(cache)
+        kv, reserved, state = cache_bytes(cache)
         token = out.logits[:, -1:].argmax(-1)
         times = []
         for step in range(warmup + decode_steps):
@@ -164,7 +123,8 @@ def measure(
                 times.append(time.perf_counter() - start)
             token = out.logits[:, -1:].argmax(-1)
     del cache, out
-    return Measurement(name, round, context, prefill, 1.0 / statistics.median(times), kv, state, kv + state, memory.peak)
+    return Measurement(name, round, context, prefill, 1.0 / statistics.median(times), kv, reserved, state, kv + state,
+                       memory.growth)
 
 
 def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int) -> int:
@@ -238,7 +198,7 @@ def median_measurements(result: dict) -> list[dict]:
     out = []
     for (model, context), members in groups.items():
         row = {"model": model, "context": context, "rounds": len(members)}
-        for field in ("prefill_s", "decode_tokens_per_s", "kv_bytes", "state_bytes", "cache_bytes", "peak_memory_bytes"):
+        for field in ("prefill_s", "decode_tokens_per_s", "kv_bytes", "kv_reserved_bytes", "state_bytes", "cache_bytes", "peak_memory_bytes"):
             row[field] = statistics.median(m[field] for m in members)
         out.append(row)
     return out

@@ -10,6 +10,7 @@ shuffled with a seed: the same inputs and seed give the same sequences on every 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -21,9 +22,21 @@ from .errors import RecurformerError
 
 _ARTICLE_HEADING = re.compile(r"^ = [^=].* = $")
 
+TRAIN_CORPORA = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
+EVAL_CORPORA = ("wikitext-2-raw-test.txt",)
+OUT_OF_DOMAIN_CORPORA = ("lee-background-news.txt",)  # evaluation only, another domain than training
+DATA_ENV = "RECURFORMER_DATA"
+
 
 class DataError(RecurformerError, ValueError):
     """A data file is missing, empty or malformed, or a length does not fit the model."""
+
+
+def shared_corpora(names: tuple[str, ...]) -> list[str]:
+    """The files `names` found in `$RECURFORMER_DATA`, else in `../shared/data` (the
+    project's offline corpora, seen from the repository root)."""
+    folder = Path(os.environ.get(DATA_ENV, "../shared/data"))
+    return [str(folder / name) for name in names if (folder / name).is_file()]
 
 
 def load_documents(paths: list[str | Path]) -> list[str]:

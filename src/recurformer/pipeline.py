@@ -11,6 +11,7 @@ interrupted mid-way resumes from its last checkpoint):
                (or take `steps` as given)
 5. `transfer`  train the mixers to reproduce the replaced heads -> transfer/
 6. `lm`        end-to-end next-token training with distillation -> final/
+               (window+* mixers: the tail recipe, only the tail, on the KL alone; docs/run.md)
 7. `evaluate`  every evaluation task that `run` uses (see `evaluate`), original vs converted
 8. `bench`     cache bytes, prefill time and decode speed against the original
 9. `report`    report.md, metrics.json and plots
@@ -29,7 +30,6 @@ configuration is refused before any work starts.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -45,33 +45,22 @@ from transformers import AutoConfig
 from .ablation import AblationConfig
 from .bench import BenchConfig, against_original
 from .config import ConfigError, MixerConfig, option, require
-from .data import DataError, load_documents, token_sequences
+from .data import DATA_ENV, EVAL_CORPORA, TRAIN_CORPORA, DataError, load_documents, shared_corpora, token_sequences
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
 from .hub import locate, resolve_model
 from .loading import load_converted, load_model, portable_name, save_model
-from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect
+from .memory import PeakMemory
+from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, analyze_text
 from .surgery import convert, parameter_report
-from .train import CHECKPOINT, LMObjective, TrainConfig, TransferObjective, seconds_per_step, train_stage
+from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, train_stage
 
 RUN_SCHEMA = "recurformer-run/2"
 TRANSFER_SHARE = 0.35
-TRAIN_CORPORA = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
-EVAL_CORPORA = ("wikitext-2-raw-test.txt",)
-DATA_ENV = "RECURFORMER_DATA"
-
-
-def shared_corpora(names: tuple[str, ...]) -> list[str]:
-    """The files `names` found in `$RECURFORMER_DATA`, else in `../shared/data` (the
-    project's offline corpora, seen from the repository root)."""
-    folder = Path(os.environ.get(DATA_ENV, "../shared/data"))
-    return [str(folder / name) for name in names if (folder / name).is_file()]
-
-
 def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
     """A parser for `TRANSFER,LM`: two values read by `convert`."""
 
@@ -161,13 +150,17 @@ class Sizes:
     ablation: AblationConfig = AblationConfig()  # read only with --scorer ablation
     train_seq_len: int = 512
     train_batch: int = 8
+    # window+* kinds (the tail recipe): sequences several times the window, as many tokens per step
+    tail_seq_len: int = 1024
+    tail_batch: int = 4
     bench: BenchConfig = BenchConfig(contexts=(512, 2048, 4096), decode_steps=32)
     fixed_steps: int | None = None  # quick: skip the timing and train this many steps
 
     @classmethod
     def quick(cls) -> "Sizes":
         return cls(analysis=AnalysisConfig(sequences=2, seq_len=128),
-                   ablation=AblationConfig(ablation_sequences=1, ablation_seq_len=128, ablation_from=64), train_seq_len=64, train_batch=2,
+                   ablation=AblationConfig(ablation_sequences=1, ablation_seq_len=128, ablation_from=64),
+                   train_seq_len=64, train_batch=2, tail_seq_len=96, tail_batch=2,
                    bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
 
 
@@ -281,10 +274,17 @@ class Run:
     def train_documents(self) -> list[str]:
         return load_documents(self.config.data)
 
+    @property
+    def tail_recipe(self) -> bool:
+        """Whether the mixer is a window with a tail, trained by the tail recipe
+        (docs/training.md): only the tail, on longer sequences, the lm stage on the KL alone."""
+        return MIXERS[self.config.mixer].has_tail
+
     @cached_property
     def train_sequences(self) -> Tensor:
-        """`[N, train_seq_len]` training sequences, shuffled with the run's seed."""
-        return token_sequences(self.original[1], self.train_documents, self.sizes.train_seq_len, seed=self.config.seed)
+        """`[N, seq_len]` training sequences of the stages' length, shuffled with the run's seed."""
+        length = self.sizes.tail_seq_len if self.tail_recipe else self.sizes.train_seq_len
+        return token_sequences(self.original[1], self.train_documents, length, seed=self.config.seed)
 
     def keep(self, name: str, model) -> None:
         """Hold the converted model `name` (converted, transfer, final) for later stages."""
@@ -302,9 +302,13 @@ class Run:
 
     def train_config(self, stage: str, steps: int) -> TrainConfig:
         lr = dict(zip(("transfer", "lm"), self.config.learning_rates))[stage]
-        extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
-        return TrainConfig(stage=stage, steps=steps, seq_len=self.sizes.train_seq_len, batch_size=self.sizes.train_batch,
-                           checkpoint_every=5, seed=self.config.seed, lr=lr, **extra)
+        if self.tail_recipe:
+            extra = dict(trainable="tail", distill_weight=1.0, ce_weight=0.0) if stage == "lm" else dict(trainable="tail")
+            sizes = dict(seq_len=self.sizes.tail_seq_len, batch_size=self.sizes.tail_batch)
+        else:
+            extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
+            sizes = dict(seq_len=self.sizes.train_seq_len, batch_size=self.sizes.train_batch)
+        return TrainConfig(stage=stage, steps=steps, checkpoint_every=5, seed=self.config.seed, lr=lr, **sizes, **extra)
 
     def task_settings(self) -> RunSettings:
         return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed)
@@ -356,11 +360,12 @@ def _plan(run: Run) -> dict:
     if run.sizes.fixed_steps is not None:
         return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
     student, teacher = run.converted("converted"), run.original[0]
-    probe = run.train_config("lm", 1)
-    lm_step = seconds_per_step(student, lambda copy: LMObjective(probe.trainable, teacher, probe.distill_weight),
-                               run.train_sequences, probe)
-    transfer_step = seconds_per_step(student, lambda copy: TransferObjective(teacher, copy), run.train_sequences,
-                                     run.train_config("transfer", 1))
+    timed = {}
+    for stage in ("transfer", "lm"):
+        probe = run.train_config(stage, 1)
+        timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
+                                        run.train_sequences, probe)
+    transfer_step, lm_step = timed["transfer"], timed["lm"]
     budget = run.config.budget_minutes * 60
     return {
         "transfer_step_s": round(transfer_step, 3), "lm_step_s": round(lm_step, 3),
@@ -412,14 +417,20 @@ def _bench(run: Run) -> dict:
 
 def metric_table(tasks: list[Task] | None = None) -> tuple[list[Metric], list[Row]]:
     """Every metric of a run and the summary table's rows: the evaluation tasks' (in report
-    order), then the run's own (metrics.RUN_METRICS), then each stage's wall time."""
+    order), then the run's own (metrics.RUN_METRICS), then each stage's wall time and peak
+    resident memory."""
     tasks = run_tasks() if tasks is None else tasks
     timed = [name for name, _, _ in STAGES if name != "report"]
     seconds = [Metric(f"seconds_{name}", f"wall time of the {name} stage", (lambda r, n=name: r.records[n]["seconds"]),
                       "{:.1f}", unit="s") for name in timed]
+    memory = [Metric(f"peak_rss_{name}", f"peak resident memory of the process during the {name} stage",
+                     (lambda r, n=name: r.records[n].get("peak_rss_bytes")), mib, "lower", "bytes") for name in timed]
     total = Metric("total_minutes", "wall time of all stages",
                    lambda r: round(sum(r.records[n]["seconds"] for n in timed) / 60, 2), "{:.1f}", unit="min")
-    metrics = [*RUN_METRICS, *(m for t in tasks for m in t.metrics), *seconds, total]
+    peak = Metric("peak_rss", "peak resident memory of the process over all stages",
+                  lambda r: max((r.records[n].get("peak_rss_bytes") or 0 for n in timed), default=0) or None, mib,
+                  "lower", "bytes")
+    metrics = [*RUN_METRICS, *(m for t in tasks for m in t.metrics), *seconds, *memory, total, peak]
     rows = [*(row for t in tasks for row in t.rows), *RUN_ROWS]
     return metrics, rows
 
@@ -476,8 +487,9 @@ def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progre
         bar.set_description(f"run: stage {number}/{len(plan)} {name}")
         if run.record(name) is None:
             started = time.monotonic()
-            record = stage(run)
-            run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2)})
+            with PeakMemory() as memory:
+                record = stage(run)
+            run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2), "peak_rss_bytes": memory.peak})
         bar.update(round(weights.get(name, seconds)))
     bar.close()
     return json.loads(run.layout.metrics.read_text())

@@ -1,8 +1,8 @@
 """Evaluation tasks behind `recurformer eval --task NAME` and the `evaluate` stage of `run`.
 
-Each module of this package (other than `registry`) defines one task and registers it;
-they are all imported here, so adding a task adds a module (with its test and its doc) and
-touches nothing else. See docs/tasks.md.
+Each module of this package (other than `registry`, and `logits`, which the tasks that
+score every position share) defines one task and registers it; they are all imported
+here, so adding a task adds a module (with its test and its doc) and touches nothing else. See docs/tasks.md.
 """
 
 import importlib

@@ -89,6 +89,7 @@ class Mixer(nn.Module):
 
     kind: str
     learning_rates: tuple[float, float] = (5e-3, 1e-3)
+    has_tail: bool = False  # a window plus a tail (`tail_parameters`): `run` trains it with the tail recipe
     d_in: int
     d_out: int
 

@@ -36,6 +36,7 @@ class WindowRecurrentMixer(Mixer):
     kind names its recurrent branch (`branch`)."""
 
     branch: type[Mixer]
+    has_tail = True
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()

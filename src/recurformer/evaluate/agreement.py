@@ -1,0 +1,83 @@
+"""`--task agreement`: how closely a converted model follows its original, token by token.
+
+On windows of `context` tokens of each text, the per-token KL(original || converted) of
+the next-token distributions (mean over tokens, nats) and the top-1 agreement (the share of
+positions where both models' most likely next token is the same). Both models score the
+same windows; the logits are computed 512 positions at a time (`logits.py`). The default
+texts are the held-out WikiText-2 test split and the out-of-domain Lee news corpus, so a
+model trained on the training corpora shows whether it recovered the original everywhere
+or only adapted to the training domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..config import ConfigError, option, require
+from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
+from ..loading import RECURFORMER_TYPE, is_converted, load_teacher
+from .logits import chunked_logits, last_hidden
+from .registry import Task, register
+
+
+@torch.no_grad()
+def agreement(model, reference, windows: Tensor, progress: bool = True) -> dict:
+    """Mean KL(reference || model) of the next-token distributions per position, and top-1
+    agreement, over `windows` `[N, T]` (every position of every window, each window read
+    from its start)."""
+    kl_sum, same, tokens = 0.0, 0, 0
+    for window in tqdm(windows, desc="agreement", unit="window", disable=not progress):
+        hidden, reference_hidden = last_hidden(model, window[None])[0], last_hidden(reference, window[None])[0]
+        for (_, logits), (_, reference_logits) in zip(chunked_logits(model, hidden),
+                                                          chunked_logits(reference, reference_hidden)):
+            log_p, log_q = F.log_softmax(reference_logits, -1), F.log_softmax(logits, -1)
+            kl_sum += (log_p.exp() * (log_p - log_q)).sum().item()
+            same += (logits.argmax(-1) == reference_logits.argmax(-1)).sum().item()
+            tokens += len(logits)
+    return {"tokens": tokens, "kl": kl_sum / tokens, "top1_agreement": same / tokens}
+
+
+@dataclass(frozen=True)
+class AgreementOptions:
+    data: list[str] = option(help="text files (.txt or .jsonl), each reported on its own", metavar="FILE",
+                             factory=lambda: shared_corpora(EVAL_CORPORA + OUT_OF_DOMAIN_CORPORA))
+    context: int = option(1024, "tokens per window")
+    max_tokens: int = option(8192, "tokens scored per file (the first N)")
+    reference: str | None = option(None, "the original model (default: the one the converted model records)")
+
+    def __post_init__(self) -> None:
+        require(bool(self.data), "--task agreement needs --data FILE (no shared corpora found)")
+        require(self.context >= 2, f"--context must be >= 2, got {self.context}")
+        require(self.max_tokens >= self.context, f"--max-tokens must be >= --context, got {self.max_tokens}")
+
+
+def evaluate(model, tokenizer, options: AgreementOptions) -> dict:
+    if model.config.model_type != RECURFORMER_TYPE:
+        raise ConfigError("--task agreement compares a converted model with its original; this model is not converted")
+    reference_name = options.reference or model.config.source_model
+    if reference_name and is_converted(reference_name):
+        raise ConfigError(f"the reference {reference_name} is a converted model; give the original with --reference")
+    limit = model.config.get_text_config().max_position_embeddings
+    require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
+    windows = []
+    for path in options.data:
+        ids = tokenize_documents(tokenizer, load_documents([path]))[: options.max_tokens]
+        if len(ids) < options.context:
+            raise DataError(f"{path} has {len(ids):,} tokens, fewer than one window of --context {options.context}")
+        usable = len(ids) // options.context * options.context
+        windows.append((str(path), torch.tensor(ids[:usable]).view(-1, options.context)))
+    reference = load_teacher(model, options.reference).eval()
+    files = [{"data": path, **agreement(model.eval(), reference, w)} for path, w in windows]
+    tokens = sum(f["tokens"] for f in files)
+    return {"reference": reference_name, "context": options.context, "tokens": tokens,
+            "kl": sum(f["kl"] * f["tokens"] for f in files) / tokens,
+            "top1_agreement": sum(f["top1_agreement"] * f["tokens"] for f in files) / tokens, "files": files}
+
+
+register(Task(name="agreement", summary="KL to and top-1 agreement with the original model (docs/tasks.md)",
+              options=AgreementOptions, evaluate=evaluate, report_order=30))

@@ -1,0 +1,133 @@
+"""`--task ppl-by-distance`: per-token loss on long sequences of held-out text, by how far
+into the sequence the token is.
+
+A token at position p has p tokens of context. A sliding-window mixer of w tokens sees all
+of them while p < w and only the last w after; a recurrent mixer keeps a summary of all.
+The buckets of positions (0-64, 64-256, 256-1K, 1K-2K, 2K-4K, 4K-8K, and doublings beyond)
+show where a converted model starts losing against the original. Sequences are
+consecutive articles of the text (joined by EOS, as `data.tokenize_documents` does), cut
+into `context`-token pieces, each scored in one forward pass (`use_cache=False`) from its
+first token; the logits are computed 512 positions at a time (`logits.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..config import option, require
+from ..data import EVAL_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
+from ..metrics import Metric, Row
+from .logits import chunked_logits, last_hidden
+from .registry import RunSettings, Task, register
+
+EDGES = (0, 64, 256, 1024, 2048, 4096, 8192)  # bucket boundaries; doubled past the last
+
+
+def buckets(context: int) -> list[tuple[int, int]]:
+    """The `[start, end)` position buckets that hold predicted positions of a `context`-token
+    sequence: position p (p >= 1) is the token predicted from the p tokens before it.
+    Buckets that start at or beyond the context are omitted; the last one is cut at it."""
+    edges = list(EDGES)
+    while edges[-1] < context:
+        edges.append(2 * edges[-1])
+    return [(lo, min(hi, context)) for lo, hi in pairwise(edges) if lo < context]
+
+
+def bucket_name(lo: int, hi: int) -> str:
+    """'0-64', '256-1K', '4K-8K': the bucket's bounds, K = 1,024."""
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+    return f"{short(lo)}-{short(hi)}"
+
+
+@torch.no_grad()
+def position_nll(model, sequence: Tensor) -> Tensor:
+    """NLL (nats) `[T - 1]` of each token 1..T-1 of `sequence` `[T]` given the tokens before it;
+    entry i belongs to position i + 1."""
+    hidden = last_hidden(model, sequence[None])[0, :-1]
+    nll = torch.empty(len(hidden))
+    for part, logits in chunked_logits(model, hidden):
+        nll[part] = F.cross_entropy(logits, sequence[1:][part], reduction="none")
+    return nll
+
+
+@torch.no_grad()
+def loss_by_distance(model, sequences: Tensor, progress: bool = True) -> dict:
+    """Mean NLL, perplexity and token count per position bucket over `sequences` `[N, T]`,
+    and the same over all predicted tokens (`nll`, `ppl`, `tokens`)."""
+    context = sequences.shape[1]
+    sums = torch.zeros(context, dtype=torch.float64)  # summed NLL per position (0 is never predicted)
+    for sequence in tqdm(sequences, desc="ppl-by-distance", unit="seq", disable=not progress):
+        sums[1:] += position_nll(model, sequence).double()
+    per_bucket = []
+    for lo, hi in buckets(context):
+        first = max(lo, 1)
+        tokens = (hi - first) * len(sequences)
+        nll = sums[first:hi].sum().item() / tokens
+        per_bucket.append({"bucket": bucket_name(lo, hi), "start": lo, "end": hi, "tokens": tokens,
+                           "nll": nll, "ppl": math.exp(nll)})
+    tokens = (context - 1) * len(sequences)
+    nll = sums.sum().item() / tokens
+    return {"sequences": len(sequences), "context": context, "tokens": tokens, "nll": nll, "ppl": math.exp(nll),
+            "buckets": per_bucket}
+
+
+@dataclass(frozen=True)
+class PplByDistanceOptions:
+    data: list[str] = option(help="held-out text (.txt or .jsonl), consecutive documents", metavar="FILE",
+                             factory=lambda: shared_corpora(EVAL_CORPORA))
+    context: int = option(8192, "tokens per sequence")
+    sequences: int = option(2, "sequences scored (the first N of the text)")
+
+    def __post_init__(self) -> None:
+        require(bool(self.data), "--task ppl-by-distance needs --data FILE (no shared corpora found)")
+        require(self.context >= 2, f"--context must be >= 2, got {self.context}")
+        require(self.sequences >= 1, f"--sequences must be >= 1, got {self.sequences}")
+
+
+def evaluate(model, tokenizer, options: PplByDistanceOptions) -> dict:
+    limit = model.config.get_text_config().max_position_embeddings
+    require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
+    ids = tokenize_documents(tokenizer, load_documents(options.data))
+    needed = options.sequences * options.context
+    if len(ids) < needed:
+        raise DataError(f"--data has {len(ids):,} tokens, fewer than --sequences {options.sequences} x --context "
+                        f"{options.context}")
+    sequences = torch.tensor(ids[:needed]).view(options.sequences, options.context)
+    result = loss_by_distance(model.eval(), sequences)
+    return {"data": [str(p) for p in options.data], **result}
+
+
+def run_options(settings: RunSettings) -> PplByDistanceOptions:
+    if settings.quick:
+        return PplByDistanceOptions(data=settings.eval_data, context=128, sequences=1)
+    return PplByDistanceOptions(data=settings.eval_data, context=4096, sequences=1)
+
+
+def far_bucket(r, model: str) -> dict:
+    """The farthest position bucket of the task's result on `model`."""
+    return r.result("ppl-by-distance", model)["buckets"][-1]
+
+
+register(Task(
+    name="ppl-by-distance", summary="loss by token position on long held-out sequences (docs/tasks.md)",
+    options=PplByDistanceOptions, evaluate=evaluate, report_order=5, run_options=run_options,
+    metrics=(
+        *(Metric(f"ppl_far_{m}", f"held-out perplexity at the farthest positions: {m}",
+                 (lambda r, m=m: far_bucket(r, m)["ppl"]), "{:.2f}", "lower") for m in ("original", "final")),
+        Metric("ppl_far_ratio", "held-out perplexity at the farthest positions, converted / original",
+               lambda r: far_bucket(r, "final")["ppl"] / far_bucket(r, "original")["ppl"], "{:.2f}x", "lower", "x"),
+        Metric("ppl_far_positions", "the farthest position bucket", lambda r: far_bucket(r, "original")["bucket"]),
+        Metric("ppl_far_context", "tokens per ppl-by-distance sequence",
+               lambda r: r.result("ppl-by-distance", "original")["context"], "{:,}", unit="tokens"),
+    ),
+    rows=(Row("perplexity at positions {ppl_far_positions} of {ppl_far_context}-token held-out sequences",
+              "ppl_far_original", "ppl_far_final", "ppl_far_ratio"),),
+))
