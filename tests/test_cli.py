@@ -154,3 +154,36 @@ def test_convert_refuses_bad_mixer_flags(workspace, capsys, flags, fragment):
                     *flags, "--out", target)
     one_line_error(code, err, fragment)
     assert not target.exists()
+
+
+ABLATION = ("--scorer", "ablation", "--ablation-sequences", 2, "--ablation-seq-len", 64, "--ablation-from", 32,
+            "--ablation-window", 8, "--ablation-sinks", 1)
+
+
+def test_analyze_with_the_ablation_scorer_then_convert_the_cheapest_groups(workspace, capsys):
+    ws = workspace
+    code, err = run(capsys, *analyze_args(ws, "ablation.json", *ABLATION))
+    assert code == 0, err
+    saved = json.loads((ws / "ablation.json").read_text())
+    assert saved["ablation"]["ablation_window"] == 8 and saved["ablation"]["ablation_sequences"] == 2
+    costs = {(g["layer"], g["kv_head"]): g["ablation"] for g in saved["groups"]}
+    assert len(costs) == 4 and not (ws / "ablation.json.ablation-partial.json").exists()
+    code, err = run(capsys, "convert", ws / "model", "--scores", ws / "ablation.json", "--scorer", "ablation",
+                    "--beta", 0.5, "--out", ws / "converted-ablation")
+    assert code == 0, err
+    config = json.loads((ws / "converted-ablation" / "config.json").read_text())
+    replaced = {tuple(g) for g in config["replacement"]["groups"]}
+    assert replaced == set(sorted(costs, key=lambda g: (costs[g], g))[:2])
+
+
+def test_the_ablation_scorer_says_how_much_text_it_needs(workspace, capsys):
+    code, err = run(capsys, *analyze_args(workspace, "never.json", *ABLATION[:2], "--ablation-sequences", 1000, "--ablation-from", 32,
+                                          "--ablation-seq-len", 64))
+    one_line_error(code, err, "needs 1000 x 64 = 64000 tokens of calibration text")
+    assert not (workspace / "never.json").exists()
+
+
+def test_convert_with_the_ablation_scorer_needs_ablation_scores(workspace, capsys):
+    code, err = run(capsys, "convert", workspace / "model", "--scores", scores_file(workspace, capsys),
+                    "--scorer", "ablation", "--beta", 0.5, "--out", workspace / "never")
+    one_line_error(code, err, "no ablation costs")

@@ -23,6 +23,7 @@ from .config import MixerConfig
 from .errors import RecurformerError
 from .evaluate import TASKS
 from .pipeline import RunConfig, run_pipeline
+from .ablation import AblationConfig
 from .scoring import AnalysisConfig, SelectionConfig
 from .surgery import INITS
 from .train import TrainConfig
@@ -101,7 +102,7 @@ def build(cls: type, args: argparse.Namespace, **extra: Any):
 def cmd_analyze(args: argparse.Namespace) -> int:
     analysis, selection = build(AnalysisConfig, args), build(SelectionConfig, args)
     scores = commands.analyze_command(args.model, args.data, args.out, plot=args.plot, analysis=analysis,
-                                      selection=selection)
+                                      selection=selection, ablation=build(AblationConfig, args))
     values = [v for row in scores.groups[scores.metric] for v in row]
     print(f"scored {len(values)} KV groups on {scores.sequences} x {scores.seq_len} tokens; "
           f"{scores.metric}: min {min(values):.3f}, max {max(values):.3f}; wrote {args.out}")
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="heatmap PNG to write (the groups --beta would replace marked)")
     add_options(p, AnalysisConfig)
     add_options(p, SelectionConfig)
+    add_options(p, AblationConfig)
     p.set_defaults(func=cmd_analyze)
 
     p = subcommands.add_parser("convert", help="replace the top-beta KV groups by mixers and save the model")
@@ -246,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"recurformer: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        hint = "; run the same command again to continue" if args.command == "run" else ""
+        resumable = args.command == "run" or (args.command == "analyze" and args.scorer == "ablation")
+        hint = "; run the same command again to continue" if resumable else ""
         print(f"recurformer: interrupted{hint}", file=sys.stderr)
         return 130
 

@@ -19,6 +19,7 @@ from .files import write_json_atomic
 from .loading import load_any, load_converted, load_model, load_teacher, portable_name, save_model
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap
+from .ablation import AblationConfig
 from .scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
 from .surgery import INITS, convert, parameter_report
 from .train import CHECKPOINT, TrainConfig, needs_teacher, train_stage
@@ -29,16 +30,26 @@ def _refuse_occupied(out: Path, hint: str) -> None:
         raise ConfigError(f"output directory {out} exists and is not empty ({hint})")
 
 
+def ablation_checkpoint(out: str | Path) -> Path:
+    """Where `analyze --scorer ablation` keeps the groups scored so far, beside `out`."""
+    out = Path(out)
+    return out.with_name(out.name + ".ablation-partial.json")
+
+
 def analyze_command(model: str, data: list[str], out: str, plot: str | None = None,
-                    analysis: AnalysisConfig = AnalysisConfig(), selection: SelectionConfig = SelectionConfig()) -> HeadScores:
+                    analysis: AnalysisConfig = AnalysisConfig(), selection: SelectionConfig = SelectionConfig(),
+                    ablation: AblationConfig = AblationConfig()) -> HeadScores:
     """Score every head of `model` on `data`; write the scores (and the heatmap, with the
-    groups `selection` would replace marked)."""
+    groups `selection` would replace marked). With `--scorer ablation`, also each group's
+    ablation cost; an interrupted run resumes from the layers already in `ablation_checkpoint(out)`."""
     documents = load_documents(data)
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
+    measure = ablation if selection.scorer == "ablation" else None
     scores = analyze_text(net, tokenizer, documents, analysis, seed=selection.seed, model_name=str(model),
-                          data=[str(p) for p in data])
+                          data=[str(p) for p in data], ablation=measure, checkpoint=ablation_checkpoint(out))
     scores.save(out)
+    ablation_checkpoint(out).unlink(missing_ok=True)
     if plot:
         plot_head_heatmap(scores, plot, selection.select(scores))
     return scores

@@ -42,6 +42,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from .ablation import AblationConfig
 from .bench import BenchConfig, against_original
 from .config import ConfigError, MixerConfig, option, require
 from .data import DATA_ENV, EVAL_CORPORA, TRAIN_CORPORA, DataError, load_documents, shared_corpora, token_sequences
@@ -54,7 +55,7 @@ from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_
 from .mixers import MIXERS
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
-from .scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
+from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, analyze_text
 from .surgery import convert, parameter_report
 from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, train_stage
 
@@ -87,7 +88,7 @@ class RunConfig:
                                   factory=lambda: shared_corpora(EVAL_CORPORA))
     beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
     mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md)")
-    scorer: str = option(SelectionConfig.scorer, "which groups go first: recency | inverse | random")
+    scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
     budget_minutes: float = option(25.0, "training time of both stages together")
     steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
                                            "(equal-token comparisons)", metavar="TRANSFER,LM",
@@ -146,6 +147,7 @@ class Sizes:
     evaluation tasks size themselves (`Task.run_options`)."""
 
     analysis: AnalysisConfig = AnalysisConfig(sequences=16, seq_len=1024)
+    ablation: AblationConfig = AblationConfig()  # read only with --scorer ablation
     train_seq_len: int = 512
     train_batch: int = 8
     # window+* kinds (the tail recipe): sequences several times the window, as many tokens per step
@@ -156,8 +158,10 @@ class Sizes:
 
     @classmethod
     def quick(cls) -> "Sizes":
-        return cls(analysis=AnalysisConfig(sequences=2, seq_len=128), train_seq_len=64, train_batch=2,
-                   tail_seq_len=96, tail_batch=2, bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
+        return cls(analysis=AnalysisConfig(sequences=2, seq_len=128),
+                   ablation=AblationConfig(ablation_sequences=1, ablation_seq_len=128, ablation_from=64),
+                   train_seq_len=64, train_batch=2, tail_seq_len=96, tail_batch=2,
+                   bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,11 @@ class RunLayout:
     @property
     def scores(self) -> Path:
         return self.root / "scores.json"
+
+    @property
+    def ablation_checkpoint(self) -> Path:
+        """The ablation costs of the layers scored so far (removed once scores.json is written)."""
+        return self.root / "ablation-partial.json"
 
     @property
     def heads_plot(self) -> Path:
@@ -321,9 +330,12 @@ def _resolve(run: Run) -> dict:
 
 def _analyze(run: Run) -> dict:
     model, tokenizer = run.original
+    ablation = run.sizes.ablation if run.config.scorer == "ablation" else None
     scores = analyze_text(model, tokenizer, run.train_documents, run.sizes.analysis, seed=run.config.seed,
-                          model_name=run.config.model, data=list(run.config.data))
+                          model_name=run.config.model, data=list(run.config.data), ablation=ablation,
+                          checkpoint=run.layout.ablation_checkpoint)
     scores.save(run.layout.scores)
+    run.layout.ablation_checkpoint.unlink(missing_ok=True)
     plot_head_heatmap(scores, run.layout.heads_plot, run.config.selection.select(scores))
     values = sorted(v for row in scores.groups[scores.metric] for v in row)
     return {"groups": len(values), "metric": scores.metric, "min": values[0], "median": values[len(values) // 2],

@@ -23,7 +23,8 @@ import json
 import math
 import random
 import statistics
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from .ablation import AblationConfig, ablation_costs, calibration_sequences
 from .config import ConfigError, ReplacementSpec, option, require
 from .data import check_length, token_sequences
 from .files import write_json_atomic
@@ -47,7 +49,9 @@ class HeadScores:
     """Per-head statistics of one model on one text sample.
 
     `heads[name]` and `groups[name]` are `[layers, heads]` and `[layers, kv_heads]` lists
-    for `name` in `rr_<w>`, `rr_<w>_no_sink` (each window w) and `sink`.
+    for `name` in `rr_<w>`, `rr_<w>_no_sink` (each window w) and `sink`. `groups` may hold
+    group-only statistics too: `ablation`, the NLL cost of windowing the group alone
+    (`ablation.py`), measured with the settings in `ablation`.
     """
 
     model: str
@@ -62,14 +66,14 @@ class HeadScores:
     groups: dict[str, list[list[float]]] = field(default_factory=dict)
     data: list[str] = field(default_factory=list)
     fingerprint: str = ""  # identifies the scored model's weights (surgery.model_fingerprint)
+    ablation: dict[str, Any] = field(default_factory=dict)  # settings and base NLL of the `ablation` costs
 
     def __post_init__(self) -> None:
-        if not self.groups:
-            size = self.num_heads // self.num_kv_heads
-            self.groups = {
-                name: [[sum(row[g * size:(g + 1) * size]) / size for g in range(self.num_kv_heads)] for row in values]
-                for name, values in self.heads.items()
-            }
+        size = self.num_heads // self.num_kv_heads
+        for name, values in self.heads.items():
+            if name not in self.groups:
+                self.groups[name] = [[sum(row[g * size:(g + 1) * size]) / size for g in range(self.num_kv_heads)]
+                                     for row in values]
 
     @property
     def metric(self) -> str:
@@ -82,7 +86,7 @@ class HeadScores:
 
     def to_json(self) -> dict[str, Any]:
         """Flat records, one per head and one per KV group (documented in docs/analysis.md)."""
-        stats = sorted(self.heads)
+        stats, group_stats = sorted(self.heads), sorted(self.groups)
         size = self.num_heads // self.num_kv_heads
         return {
             "format": "recurformer-head-scores/1",
@@ -96,12 +100,13 @@ class HeadScores:
             "seq_len": self.seq_len,
             "data": self.data,
             "fingerprint": self.fingerprint,
+            **({"ablation": self.ablation} if self.ablation else {}),
             "heads": [
                 {"layer": l, "head": h, "kv_head": h // size, **{s: self.heads[s][l][h] for s in stats}}
                 for l in range(self.num_layers) for h in range(self.num_heads)
             ],
             "groups": [
-                {"layer": l, "kv_head": g, **{s: self.groups[s][l][g] for s in stats}}
+                {"layer": l, "kv_head": g, **{s: self.groups[s][l][g] for s in group_stats}}
                 for l in range(self.num_layers) for g in range(self.num_kv_heads)
             ],
         }
@@ -117,11 +122,16 @@ class HeadScores:
             for record in data["heads"]:
                 for s in stats:
                     table[s][record["layer"]][record["head"]] = float(record[s])
+            only = [k for k in data.get("groups", [{}])[0] if k not in ("layer", "kv_head") and k not in stats]
+            groups = {s: [[0.0] * data["num_kv_heads"] for _ in range(layers)] for s in only}
+            for record in data.get("groups", []) if only else []:
+                for s in only:
+                    groups[s][record["layer"]][record["kv_head"]] = float(record[s])
             return cls(
                 model=data["model"], num_layers=layers, num_heads=heads, num_kv_heads=data["num_kv_heads"],
                 window=data["window"], windows=list(data["windows"]), sequences=data["sequences"],
                 seq_len=data["seq_len"], heads=table, data=list(data.get("data", [])),
-                fingerprint=data.get("fingerprint", ""),
+                fingerprint=data.get("fingerprint", ""), groups=groups, ablation=dict(data.get("ablation", {})),
             )
         except (KeyError, IndexError, TypeError, ValueError) as error:
             raise ConfigError(f"scores file is malformed ({type(error).__name__}: {error})") from None
@@ -279,14 +289,22 @@ class AnalysisConfig:
 
 
 def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig, seed: int = 0, model_name: str = "",
-                 data: list[str] | None = None) -> HeadScores:
+                 data: list[str] | None = None, ablation: AblationConfig | None = None,
+                 checkpoint: str | Path | None = None) -> HeadScores:
     """Score every head of `model` on `config.sequences` x `config.seq_len` tokens of
-    `documents`, drawn with `seed`; the scores record the model's fingerprint."""
+    `documents`, drawn with `seed`; the scores record the model's fingerprint. With
+    `ablation`, also each group's `ablation` cost (resumable through `checkpoint`)."""
     check_length(config.seq_len, model.config)
     tokens = token_sequences(tokenizer, documents, config.seq_len, config.sequences, seed)
+    calibration = None if ablation is None else calibration_sequences(tokenizer, documents, ablation, model.config, seed)
     scores = analyze(model, tokens, window=config.window, windows=DEFAULT_WINDOWS, batch_size=config.batch_size,
                      model_name=model_name, data=data)
     scores.fingerprint = model_fingerprint(model)
+    if ablation is not None:
+        start = time.perf_counter()
+        costs, base = ablation_costs(model, calibration, ablation, checkpoint=checkpoint)
+        scores.groups["ablation"] = costs
+        scores.ablation = {**asdict(ablation), "base_nll": base, "seconds": time.perf_counter() - start}
     return scores
 
 
@@ -330,7 +348,19 @@ class RandomScorer(Scorer):
         return {g: rng.random() for g in scores.group_values()}
 
 
-SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer)}
+class AblationScorer(Scorer):
+    """[ours] The groups whose windowing alone costs the least NLL first (`ablation.py`)."""
+
+    name = "ablation"
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        if "ablation" not in scores.groups:
+            raise ConfigError("these scores have no ablation costs; make them with "
+                              "`recurformer analyze ... --scorer ablation`")
+        return {g: -v for g, v in scores.group_values("ablation").items()}
+
+
+SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer, AblationScorer)}
 
 
 def make_scorer(name: str, seed: int = 0) -> Scorer:
