@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from tqdm.auto import tqdm
-
 from ..config import option, require
 from ..metrics import Metric, Row, per_model
 from ..tasks.hashhop import generate_hashhop, score_hashhop
+from .generation import greedy_completions
 from .registry import RunSettings, Task, register
 
 
-@torch.no_grad()
 def hashhop_accuracy(
     model, tokenizer, num_problems: int = 20, hops: int = 2, target_tokens: int = 512, cot: bool = False,
     shots: int = 1, seed: int = 0, batch_size: int = 4, progress: bool = True,
@@ -23,19 +20,8 @@ def hashhop_accuracy(
     problems = generate_hashhop(num_problems, hops=hops, target_tokens=target_tokens, tokenizer=tokenizer,
                                 cot=cot, seed=seed, shots=shots)
     answer_tokens = max(len(tokenizer.encode(" " + p.answer, add_special_tokens=False)) for p in problems)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    predictions = []
-    model.eval()
-    for first in tqdm(range(0, len(problems), batch_size), desc="hashhop", unit="batch", disable=not progress):
-        encoded = [tokenizer.encode(p.prompt) for p in problems[first:first + batch_size]]
-        width = max(map(len, encoded))
-        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, tokens in enumerate(encoded):  # left padding, as generation needs
-            ids[row, width - len(tokens):] = torch.tensor(tokens)
-            mask[row, width - len(tokens):] = 1
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=answer_tokens + 2, do_sample=False, pad_token_id=pad)
-        predictions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    predictions = greedy_completions(model, tokenizer, [p.prompt for p in problems], answer_tokens + 2, batch_size,
+                                     desc="hashhop", progress=progress)
     scores = score_hashhop(predictions, problems)
     return {"task": "hashhop", "hops": hops, "target_tokens": target_tokens, "cot": cot, "shots": shots,
             "n_chains_mean": sum(p.n_chains for p in problems) / len(problems), **scores}

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from tqdm.auto import tqdm
-
 from ..config import ConfigError, option, require
 from ..data import DataError, load_documents, shared_corpora, tokenize_documents
 from ..metrics import Metric, Row, per_model
 from ..tasks.passkey import FORMATS, generate_passkey, score_passkey
+from .generation import greedy_completions
 from .registry import RunSettings, Task, register
 
 HAYSTACK_CORPORA = ("tinyshakespeare.txt",)
@@ -26,7 +24,6 @@ def parse_depths(text: str) -> tuple[float, ...]:
         raise ConfigError(f"--depths: expected comma-separated fractions such as 0.1,0.5,0.9, got {text!r}") from None
 
 
-@torch.no_grad()
 def passkey_accuracy(model, tokenizer, haystack: list[int], context: int, depths: tuple[float, ...], problems: int,
                      seed: int = 0, fmt: str = BEST_FORMAT, batch_size: int = 4, progress: bool = True) -> dict:
     """Greedy completions of passkey prompts of `context` tokens, `problems` per depth, scored by exact match."""
@@ -34,19 +31,8 @@ def passkey_accuracy(model, tokenizer, haystack: list[int], context: int, depths
         cases = generate_passkey(tokenizer, haystack, context, depths, problems, seed=seed, fmt=fmt)
     except ValueError as error:
         raise DataError(f"--task passkey: {error}") from None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    completions = []
-    model.eval()
-    for first in tqdm(range(0, len(cases), batch_size), desc="passkey", unit="batch", disable=not progress):
-        encoded = [tokenizer.encode(p.prompt) for p in cases[first:first + batch_size]]
-        width = max(map(len, encoded))
-        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, tokens in enumerate(encoded):  # left padding, as generation needs
-            ids[row, width - len(tokens):] = torch.tensor(tokens)
-            mask[row, width - len(tokens):] = 1
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=pad)
-        completions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    completions = greedy_completions(model, tokenizer, [case.prompt for case in cases], 8, batch_size,
+                                     desc="passkey", progress=progress)
     return {"format": fmt, "context": context, "depths": list(depths), "problems": problems,
             **score_passkey(completions, cases)}
 
