@@ -90,6 +90,15 @@ class WindowMixer(Mixer):
         ring = self.sinks + (index - self.sinks).remainder(self.window)
         return torch.where(index < self.sinks, index, ring)
 
+    @staticmethod
+    def _positions(index: Tensor, attention_mask: Tensor | None, batch: int, length: int) -> Tensor:
+        """Sequence positions `[B, T]` of the new tokens (-1 for padding), continuing after the
+        real tokens the buffer's `index` `[B, S]` has seen."""
+        real = (torch.ones(batch, length, dtype=torch.bool, device=index.device) if attention_mask is None
+                else attention_mask.bool())
+        seen = index.max(dim=-1).values + 1  # real tokens before these, [B]
+        return torch.where(real, seen[:, None] + real.cumsum(dim=1) - 1, -1)
+
     def forward(
         self,
         x: Tensor,
@@ -101,9 +110,7 @@ class WindowMixer(Mixer):
         q, k, v = self._project(x, position_embeddings)
         buffer = state if state is not None else self.allocate_state(batch, k.dtype, x.device)
         keys, values, index = buffer["keys"], buffer["values"], buffer["index"]
-        real = torch.ones(batch, length, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
-        seen = index.max(dim=-1).values + 1  # real tokens before x, [B]
-        position = torch.where(real, seen[:, None] + real.cumsum(dim=1) - 1, -1)  # [B, T], -1 for padding
+        position = self._positions(index, attention_mask, batch, length)
         # Blocks of at most `window` steps: the buffer then always holds every earlier token
         # a query of the block may see, and a block's tokens never share a ring slot.
         outputs = []

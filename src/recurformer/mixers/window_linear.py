@@ -101,9 +101,7 @@ class WindowLinearMixer(WindowMixer):
         buffer = state if state is not None else self.allocate_state(batch, k.dtype, x.device)
         keys, values, index = buffer["keys"], buffer["values"], buffer["index"]
         tail_kv, tail_k = buffer["tail_kv"].float(), buffer["tail_k"].float()
-        real = torch.ones(batch, length, dtype=torch.bool, device=x.device) if attention_mask is None else attention_mask.bool()
-        seen = index.max(dim=-1).values + 1
-        position = torch.where(real, seen[:, None] + real.cumsum(dim=1) - 1, -1)  # [B, T], -1 for padding
+        position = self._positions(index, attention_mask, batch, length)
         # Blocks of at most `window` steps: no token of a block is in the tail of a query of
         # the same block, and a block's tokens never share a ring slot.
         outputs = []
