@@ -428,7 +428,7 @@ def metric_table(tasks: list[Task] | None = None) -> tuple[list[Metric], list[Ro
     total = Metric("total_minutes", "wall time of all stages",
                    lambda r: round(sum(r.records[n]["seconds"] for n in timed) / 60, 2), "{:.1f}", unit="min")
     peak = Metric("peak_rss", "peak resident memory of the process over all stages",
-                  lambda r: max((r.records[n].get("peak_rss_bytes") or 0 for n in timed), default=0) or None, mib,
+                  lambda r: max(filter(None, (r.records[n].get("peak_rss_bytes") for n in timed)), default=None), mib,
                   "lower", "bytes")
     metrics = [*RUN_METRICS, *(m for t in tasks for m in t.metrics), *seconds, *memory, total, peak]
     rows = [*(row for t in tasks for row in t.rows), *RUN_ROWS]
