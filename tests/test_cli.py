@@ -147,6 +147,9 @@ def test_convert_and_train_with_another_mixer(workspace, capsys, mixer, flags, e
     (["--mixer", "window", "--sinks", -2], "sinks must be a non-negative integer, got -2"),
     (["--window", 8], "--window applies to --mixer window|window+mamba|window+mamba2|window+linear, not --mixer mamba"),
     (["--mixer", "mamba2", "--sinks", 2], "--sinks applies to --mixer window|window+mamba|window+mamba2|window+linear, not --mixer mamba2"),
+    (["--mixer", "window", "--state-dtype", "bfloat16"],
+     "--state-dtype applies to --mixer mamba|mamba2|window+mamba|window+mamba2|window+linear, not --mixer window"),
+    (["--state-dtype", "fp8"], "state_dtype: unknown 'fp8'; choose one of float32, bfloat16, float16"),
 ])
 def test_convert_refuses_bad_mixer_flags(workspace, capsys, flags, fragment):
     target = workspace / "never-mixer"

@@ -64,7 +64,7 @@ class MixerConfig:
     normalizer (LoLCATs), mixed in through a gate that starts at zero.
 
     `state_dtype` is the dtype of a recurrent mixer's accumulated state (the SSM state of
-    `mamba` and `mamba2`), whatever the model's dtype: fp32 by default, as in mamba-ssm's
+    `mamba`, `mamba2` and their window+ kinds, the tail sums of `window+linear`), whatever the model's dtype: fp32 by default, as in mamba-ssm's
     kernels and flash-linear-attention, because a state rounded to bf16 at every decode
     step drifts from the prefill's fp32 scan (docs/precision.md). The update is computed in
     fp32 either way. Buffers that only hold past inputs (the conv window, the `window`
@@ -90,7 +90,7 @@ class MixerConfig:
     sinks: int = option(4, "window mixers: first tokens every query also attends (attention sinks)", kinds=WINDOW_KINDS)
     feature_dim: int | str = "head_dim"  # window+linear: each half of the feature map (F = 2 feature_dim)
     state_dtype: str = option("float32", "recurrent mixers: dtype of the accumulated state (docs/precision.md)",
-                              kinds=("mamba", "mamba2", "window+mamba", "window+mamba2"))
+                              kinds=("mamba", "mamba2", "window+mamba", "window+mamba2", "window+linear"))
 
     def __post_init__(self) -> None:
         require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -133,7 +133,7 @@ class MixerConfig:
         readers = {f.name: f.metadata.get("kinds") for f in fields(cls)}
         for name in given:
             require(readers[name] is None or kind in readers[name],
-                    f"--{name} applies to --mixer {'|'.join(readers[name] or ())}, not --mixer {kind}")
+                    f"--{name.replace('_', '-')} applies to --mixer {'|'.join(readers[name] or ())}, not --mixer {kind}")
         return config
 
     def inner_width(self, d_out: int) -> int:
