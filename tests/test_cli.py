@@ -190,3 +190,14 @@ def test_convert_with_the_ablation_scorer_needs_ablation_scores(workspace, capsy
     code, err = run(capsys, "convert", workspace / "model", "--scores", scores_file(workspace, capsys),
                     "--scorer", "ablation", "--beta", 0.5, "--out", workspace / "never")
     one_line_error(code, err, "no ablation costs")
+
+
+def test_eval_refuses_a_missing_data_file_before_loading_the_model(workspace, capsys, monkeypatch):
+    def never(name):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr("recurformer.commands.load_any", never)
+    code, err = run(capsys, "eval", workspace / "model", "--task", "ppl", "--data", workspace / "nope.txt",
+                    "--out", workspace / "never.json")
+    one_line_error(code, err, "data file not found")
+    assert not (workspace / "never.json").exists()

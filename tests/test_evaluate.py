@@ -101,7 +101,8 @@ def test_every_task_module_registers_itself():
         assert task.summary and task.option_names()
         if task.run_options is not None:  # `run` uses it: its options for a full and a quick run are valid
             for quick in (False, True):
-                assert isinstance(task.run_options(RunSettings(quick, ["held-out.txt"], 0)), task.options)
+                runs = task.run_options(RunSettings(quick, ["held-out.txt"], 0, ("other.txt",)))
+                assert runs and all(isinstance(options, task.options) for options in runs.values())
 
 
 @pytest.mark.parametrize("spec, message", [

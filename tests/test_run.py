@@ -40,6 +40,8 @@ def texts(tmp_path):
         (dict(lr=(5e-3, 0.0)), ConfigError, "--lr must be two learning rates"),
         (dict(data=["nowhere.txt"]), DataError, "data file not found: nowhere.txt"),
         (dict(data=[]), ConfigError, "no training data"),
+        (dict(ood_data=[]), ConfigError, "no out-of-domain evaluation data: pass --ood-data"),
+        (dict(ood_data=["gone.txt"]), DataError, "data file not found: gone.txt"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -49,9 +51,22 @@ def test_bad_configuration_is_refused_up_front(texts, change, error, message):
 
 
 def test_evaluation_text_must_be_held_out(texts):
-    train, _ = texts
-    with pytest.raises(ConfigError, match="must be held out"):
+    train, held_out = texts
+    with pytest.raises(ConfigError, match="--eval-data must be held out"):
         RunConfig(data=train, eval_data=train)
+    with pytest.raises(ConfigError, match="--ood-data must be held out"):
+        RunConfig(data=train, eval_data=held_out, ood_data=train)
+
+
+def test_too_short_evaluation_text_stops_the_run_before_any_work(texts, tmp_path):
+    train, held_out = texts
+    short = tmp_path / "short.txt"
+    short.write_text("too short to hide a key in . " * 3)
+    config = RunConfig(model=str(save_tiny_model(tmp_path / "tiny")), data=train, eval_data=held_out,
+                       ood_data=[str(short)], quick=True)
+    with pytest.raises(DataError, match=r"--ood-data has \d+ tokens; the evaluation needs at least 384"):
+        run_pipeline(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "stages").exists() and not (tmp_path / "run" / "scores.json").exists()
 
 
 def test_cli_bad_input_is_one_line_and_writes_nothing(texts, tmp_path, capsys):
@@ -176,6 +191,11 @@ def _metrics(quick: bool) -> dict:
         "analyze_tokens": 16384, "rr_median": 0.27, "transfer_steps": 40, "transfer_tokens": 163_840,
         "transfer_minutes": 8.5, "lm_steps": 20, "lm_tokens": 81_920, "lm_minutes": 16.0, "ppl_original": 24.22,
         "ppl_converted": 5139.0, "ppl_transfer": 83.7, "ppl_final": 40.1, "ppl_tokens": 16383, "ppl_ratio": 40.1 / 24.22,
+        "ppl_context": 2048, "ppl_baseline": 26.0, "ppl_baseline_ratio": 26.0 / 24.22, "ppl_ood_original": 30.0,
+        "ppl_ood_converted": 6000.0, "ppl_ood_transfer": 90.0, "ppl_ood_final": 45.0, "ppl_ood_baseline": 31.5,
+        "ppl_ood_tokens": 16383, "ppl_ood_ratio": 1.5, "ppl_ood_baseline_ratio": 1.05, "baseline_window": 169,
+        "agreement_top1_final": 0.71, "agreement_top1_baseline": 0.86, "agreement_kl_final": 0.52,
+        "agreement_kl_baseline": 0.061, "agreement_tokens": 8192,
         "hashhop_original": 0.25, "hashhop_final": 0.125, "hashhop_problems": 24, "hashhop_context": 256,
         "mqar_original": 0.12, "mqar_final": 0.03, "mqar_problems": 32, "mqar_context": 256, "mqar_kv_pairs": 16,
         "bench_context": 4096, "bench_threads": 2, "cache_bytes_original": 180 * 2**20, "cache_bytes_final": 91 * 2**20,
@@ -190,28 +210,39 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     metrics, rows = metric_table()
     bench = {"measurements": [{"model": "original", "context": 4096, "prefill_s": 9.5, "decode_tokens_per_s": 10.0,
                                "kv_bytes": 180 * 2**20, "state_bytes": 0}]}
-    full = render_run_report(_metrics(False), by_key(metrics), rows, {"beta": 0.5}, bench)
-    assert "| perplexity, held-out text (16,383 tokens) | 24.22 | 40.10 | 1.66x |" in full
-    assert "| HashHop, 1 hop, exact match (24 problems, ~256 tokens) | 25% | 12% | |" in full
-    assert "| MQAR, token accuracy (32 sequences of 256 tokens, 16 pairs) | 12% | 3% | |" in full
-    assert "| cache at 4,096 tokens | 180.0 MiB | 91.0 MiB | 0.506x |" in full
+    buckets = [{"bucket": "0-64", "tokens": 126, "ppl": 100.0}, {"bucket": "1K-2K", "tokens": 2048, "ppl": 20.0}]
+    evaluation = {"ppl-by-distance": {"original": {"buckets": buckets},
+                                      "final": {"buckets": [{**b, "ppl": 1.5 * b["ppl"]} for b in buckets]},
+                                      "baseline": {"buckets": [{**b, "ppl": 1.1 * b["ppl"]} for b in buckets]}}}
+    full = render_run_report(_metrics(False), by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
+    assert ("| perplexity, held-out text (16,383 tokens, windows of 2,048) | 24.22 | 40.10 | 1.656x | 26.00 (1.073x) |"
+            in full)
+    assert ("| perplexity, out-of-domain text (16,383 tokens, never trained on) | 30.00 | 45.00 | 1.500x | "
+            "31.50 (1.050x) |") in full
+    assert "| top-1 agreement with the original (8,192 tokens, held-out + out-of-domain) | | 71.0% | | 86.0% |" in full
+    assert "| HashHop, 1 hop, exact match (24 problems, ~256 tokens) | 25% | 12% | | |" in full
+    assert "| MQAR, token accuracy (32 sequences of 256 tokens, 16 pairs) | 12% | 3% | | |" in full
+    assert "| cache at 4,096 tokens | 180.0 MiB | 91.0 MiB | 0.506x | |" in full
     assert "1.40x (1.10x vs a static cache)" in full
-    assert "| prefill time at 4,096 tokens | | | 0.90x |" in full
-    assert "| longest context whose cache fits 1,024.0 MiB | 23,301 | 46,573 | |" in full
-    assert "| parameters | 134.5M | 141.0M | 1.048x |" in full
-    assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.46 |" in full
+    assert "| prefill time at 4,096 tokens | | | 0.90x | |" in full
+    assert "| longest context whose cache fits 1,024.0 MiB | 23,301 | 46,573 | | |" in full
+    assert "| parameters | 134.5M | 141.0M | 1.048x | |" in full
+    assert "| after transfer (40 steps, 163,840 tokens, 8.5 min) | 83.70 | 3.456 | 90.00 | 3.000 |" in full
+    assert "the last 169 tokens" in full
+    assert "| 1K-2K | 2,048 | 20.00 | 30.00 | 1.500x | 22.00 | 1.100x |" in full
     assert "| lm | 960.0 | 3,072.0 MiB |" in full
     assert "| resolve | 0.1 |  |" in full  # no memory recorded: blank
     assert "2 torch thread(s)" in full
     assert "| original | 4,096 | 9.50 | 10.0 | 180.0 MiB | 0.0 MiB |" in full
     assert "Quick run" not in full
-    assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench)
+    assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
 
 
 def test_every_metric_key_is_declared_once_and_documented():
     metrics, rows = metric_table()
     table = by_key(metrics)  # raises on a key declared twice
-    shown = {key for row in rows for key in (row.original, row.converted, row.ratio, row.note) if key}
+    shown = {key for row in rows for key in (row.original, row.converted, row.ratio, row.note, row.baseline,
+                                             row.baseline_ratio) if key}
     assert shown <= set(table)
     documented = (Path(__file__).parent.parent / "docs" / "run.md").read_text()
     per_stage = ("seconds_", "peak_rss_")  # documented as `seconds_<stage>`, `peak_rss_<stage>`

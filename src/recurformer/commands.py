@@ -13,7 +13,7 @@ import torch
 
 from .bench import BenchConfig, against_original
 from .config import ConfigError, MixerConfig, option, require
-from .data import check_length, load_documents, token_sequences
+from .data import DataError, check_length, load_documents, token_sequences
 from .evaluate import lookup_task, make_options
 from .files import write_json_atomic
 from .loading import load_any, load_converted, load_model, load_teacher, portable_name, save_model
@@ -101,6 +101,9 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
     options (None: the task's default)."""
     chosen, argument = lookup_task(task)
     settings = make_options(chosen, {**options, **argument})
+    missing = [path for path in getattr(settings, "data", []) if not Path(path).is_file()]
+    if missing:  # before the model loads, not after
+        raise DataError(f"data file not found: {missing[0]}")
     net, tokenizer = load_any(model)
     metrics = {"model": str(model), "task": chosen.name, **chosen.evaluate(net.eval(), tokenizer, settings)}
     if out:

@@ -78,21 +78,27 @@ class Metric:
 class Row:
     """A line of the report's summary table. `label` is a str.format pattern whose fields
     are metric keys, filled with their shown values; the other fields name metric keys
-    (None: an empty cell); `note`, if given, is shown in parentheses after the ratio."""
+    (None: an empty cell); `note`, if given, is shown in parentheses after the ratio;
+    `baseline` and `baseline_ratio` fill the column of the window at equal cache bytes."""
 
     label: str
     original: str | None
     converted: str | None
     ratio: str | None
     note: str | None = None
+    baseline: str | None = None
+    baseline_ratio: str | None = None
 
 
-MODELS = ("original", "converted", "transfer", "final")  # the models a run evaluates, in stage order
+MODELS = ("original", "converted", "transfer", "final")  # the models a run makes, in stage order
+BASELINE = "baseline"  # the training-free `window` at the final model's cache bytes (equal_cache.py)
 
 
-def per_model(task: str, field: str, label: str, models: Iterable[str], **shown) -> tuple[Metric, ...]:
-    """`<task>_<model>` for each model: `field` of the task's result on that model."""
-    return tuple(Metric(f"{task}_{m}", f"{label}: {m}", (lambda r, m=m: r.result(task, m)[field]), **shown)
+def per_model(task: str, field: str, label: str, models: Iterable[str], key: str | None = None,
+              **shown) -> tuple[Metric, ...]:
+    """`<key>_<model>` for each model (`key`: the task's name unless given): `field` of the
+    task's result on that model."""
+    return tuple(Metric(f"{key or task}_{m}", f"{label}: {m}", (lambda r, m=m: r.result(task, m)[field]), **shown)
                  for m in models)
 
 
@@ -141,6 +147,8 @@ RUN_METRICS: tuple[Metric, ...] = (
     Metric("rr_median", "median recency ratio over KV groups", lambda r: r.records["analyze"]["median"], "{:.3f}"),
     *_stage_metrics("transfer", "MSE to the replaced heads"),
     *_stage_metrics("lm", "cross-entropy + KL"),
+    Metric("baseline_window", "window of the training-free rival at equal cache bytes (tokens, besides the sinks)",
+           lambda r: r.records["evaluate"]["baseline_window"], "{:,}", unit="tokens"),
     Metric("bench_context", "context of the bench numbers (the largest measured)", lambda r: r.bench_context, "{:,}",
            unit="tokens"),
     Metric("bench_threads", "torch threads during the benchmark", lambda r: r.bench["threads"]),
@@ -202,9 +210,10 @@ def render_rows(rows: Iterable[Row], values: dict[str, Any], table: dict[str, Me
         return "" if key is None else table[key].show(values[key])
 
     shown = {key: cell(key) for key in values if key in table}
-    lines = ["| measure | original | converted | converted / original |", "|---|---|---|---|"]
+    lines = ["| measure | original | converted | converted / original | window at equal cache |", "|---|---|---|---|---|"]
     for row in rows:
         ratio = cell(row.ratio) + (f" ({cell(row.note)})" if row.note else "")
-        cells = (row.label.format(**shown), cell(row.original), cell(row.converted), ratio)
+        baseline = cell(row.baseline) + (f" ({cell(row.baseline_ratio)})" if row.baseline_ratio else "")
+        cells = (row.label.format(**shown), cell(row.original), cell(row.converted), ratio, baseline)
         lines.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
     return lines

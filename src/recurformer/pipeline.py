@@ -45,13 +45,24 @@ from transformers import AutoConfig
 from .ablation import AblationConfig
 from .bench import BenchConfig, against_original
 from .config import ConfigError, MixerConfig, option, require
-from .data import DATA_ENV, EVAL_CORPORA, TRAIN_CORPORA, DataError, load_documents, shared_corpora, token_sequences
+from .data import (
+    DATA_ENV,
+    EVAL_CORPORA,
+    OUT_OF_DOMAIN_CORPORA,
+    TRAIN_CORPORA,
+    DataError,
+    load_documents,
+    shared_corpora,
+    token_sequences,
+    tokenize_documents,
+)
+from .equal_cache import window_baseline
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
 from .hub import locate, resolve_model
 from .loading import load_converted, load_model, portable_name, save_model
 from .memory import PeakMemory
-from .metrics import MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
+from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
@@ -84,8 +95,11 @@ class RunConfig:
     model: str = option("smollm2-135m", "a local Hugging Face model directory or a known name")
     data: list[str] = option(help=f"training and head-scoring text (the shared corpora, in ${DATA_ENV} or "
                              "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA))
-    eval_data: list[str] = option(help="held-out text for perplexity", metavar="FILE",
+    eval_data: list[str] = option(help="held-out text for perplexity and the long-range tasks", metavar="FILE",
                                   factory=lambda: shared_corpora(EVAL_CORPORA))
+    ood_data: list[str] = option(help="out-of-domain text for perplexity and agreement (another domain than "
+                                 "--data, evaluation only)", metavar="FILE",
+                                 factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA))
     beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
     mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md)")
     scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
@@ -103,9 +117,12 @@ class RunConfig:
         locate(self.model)
         require(bool(self.data), "no training data: pass --data FILE...")
         require(bool(self.eval_data), "no evaluation data: pass --eval-data FILE...")
-        overlap = {str(Path(p).resolve()) for p in self.data} & {str(Path(p).resolve()) for p in self.eval_data}
-        if overlap:
-            raise ConfigError(f"--eval-data must be held out, but {min(overlap)} is also in --data")
+        require(bool(self.ood_data), "no out-of-domain evaluation data: pass --ood-data FILE...")
+        training = {str(Path(p).resolve()) for p in self.data}
+        for flag, paths in (("--eval-data", self.eval_data), ("--ood-data", self.ood_data)):
+            overlap = training & {str(Path(p).resolve()) for p in paths}
+            if overlap:
+                raise ConfigError(f"{flag} must be held out, but {min(overlap)} is also in --data")
         SelectionConfig(self.beta, self.scorer, self.seed)
         MixerConfig(kind=self.mixer)
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
@@ -117,7 +134,7 @@ class RunConfig:
             require(len(self.lr) == 2 and all(0 < x < 1 for x in self.lr),
                     f"--lr must be two learning rates in (0, 1) TRANSFER,LM, got {self.lr}")
             self.lr = tuple(self.lr)
-        for path in [*self.data, *self.eval_data]:
+        for path in [*self.data, *self.eval_data, *self.ood_data]:
             if not Path(path).is_file():
                 raise DataError(f"data file not found: {path}")
 
@@ -136,6 +153,7 @@ class RunConfig:
         data = asdict(self)
         data["data"] = [str(Path(p).resolve()) for p in self.data]
         data["eval_data"] = [str(Path(p).resolve()) for p in self.eval_data]
+        data["ood_data"] = [str(Path(p).resolve()) for p in self.ood_data]
         data["steps"] = None if self.steps is None else list(self.steps)
         data["lr"] = None if self.lr is None else list(self.lr)
         return data
@@ -311,7 +329,13 @@ class Run:
         return TrainConfig(stage=stage, steps=steps, checkpoint_every=5, seed=self.config.seed, lr=lr, **sizes, **extra)
 
     def task_settings(self) -> RunSettings:
-        return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed)
+        return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed,
+                           ood_data=tuple(self.config.ood_data))
+
+    @cached_property
+    def baseline(self):
+        """(the training-free `window` on the final model's groups at its cache bytes, its window)."""
+        return window_baseline(self.original[0], self.converted("final"))
 
 
 Stage = Callable[[Run], dict]
@@ -322,9 +346,21 @@ def run_tasks() -> list[Task]:
     return sorted((t for t in TASKS.values() if t.run_options is not None), key=lambda t: t.report_order)
 
 
+def evaluation_tokens(settings: RunSettings) -> int:
+    """The most tokens of one evaluation text that the run's tasks read at once (their
+    longest `context`)."""
+    return max(getattr(options, "context", 0) for task in run_tasks() for options in task.run_options(settings).values())
+
+
 def _resolve(run: Run) -> dict:
+    """Fetch the model, and check before any long work that the evaluation texts are long enough."""
     directory = resolve_model(run.config.model)
     check_architecture(AutoConfig.from_pretrained(directory))
+    needed = evaluation_tokens(run.task_settings())
+    for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
+        tokens = len(tokenize_documents(run.original[1], load_documents(paths)))
+        if tokens < needed:
+            raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
     return {"directory": str(directory)}
 
 
@@ -390,20 +426,30 @@ def _training_stage(stage: str, source: str, target: str) -> Stage:
     return train
 
 
+def _evaluated_model(run: Run, name: str):
+    if name == "original":
+        return run.original[0]
+    if name == BASELINE:
+        return run.baseline[0]
+    return load_converted(run.layout.model(name))[0]
+
+
 def _evaluate(run: Run) -> dict:
-    """Every task `run` uses, on each of the task's models; eval.json is `{task: {model: result}}`."""
+    """Every evaluation of every task `run` uses, on each of the task's models; eval.json is
+    `{evaluation: {model: result}}` (an evaluation is a task with options, `Task.run_options`)."""
     settings, tasks = run.task_settings(), run_tasks()
-    options = {task.name: task.run_options(settings) for task in tasks}
-    results: dict[str, dict[str, Any]] = {task.name: {} for task in tasks}
-    for name in MODELS:
+    runs = {task.name: task.run_options(settings) for task in tasks}
+    results: dict[str, dict[str, Any]] = {key: {} for task in tasks for key in runs[task.name]}
+    for name in (*MODELS, BASELINE):
         users = [task for task in tasks if name in task.run_models]
         if not users:
             continue
-        model = run.original[0] if name == "original" else load_converted(run.layout.model(name))[0]
+        model = _evaluated_model(run, name).eval()
         for task in users:
-            results[task.name][name] = task.evaluate(model.eval(), run.original[1], options[task.name])
+            for key, options in runs[task.name].items():
+                results[key][name] = task.evaluate(model, run.original[1], options)
     write_json_atomic(run.layout.evaluation, results)
-    return {"tasks": [task.name for task in tasks]}
+    return {"evaluations": list(results), "baseline_window": run.baseline[1]}
 
 
 def _bench(run: Run) -> dict:
@@ -446,7 +492,8 @@ def _report(run: Run) -> dict:
     plot_loss_curves({stage: run.layout.model(folder) / "train_log.jsonl" for stage, folder in (("transfer", "transfer"), ("lm", "final"))},
                      run.layout.loss_plot)
     write_json_atomic(run.layout.metrics, values)
-    write_text_atomic(run.layout.report, render_run_report(values, by_key(metrics), rows, run.config.to_dict(), results.bench))
+    write_text_atomic(run.layout.report, render_run_report(values, by_key(metrics), rows, run.config.to_dict(), results.bench,
+                                                            results.evaluation))
     return {"metrics": len(values)}
 
 

@@ -93,9 +93,26 @@ def plot_loss_curves(logs: dict[str, Path], path: str | Path) -> None:
     save_figure(figure, path)
 
 
-def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], config: dict, bench: dict) -> str:
+def distance_table(by_distance: dict[str, dict]) -> list[str]:
+    """Markdown lines: perplexity per position bucket of each model of a ppl-by-distance
+    evaluation (`{model: result}`), and each model's ratio to the original."""
+    others = [m for m in by_distance if m != "original"]
+    lines = ["| positions | tokens | original | " + " | ".join(f"{m} | {m} / original" for m in others) + " |",
+             "|---|---|---|" + "---|---|" * len(others)]
+    for i, bucket in enumerate(by_distance["original"]["buckets"]):
+        cells = [bucket["bucket"], f"{bucket['tokens']:,}", f"{bucket['ppl']:.2f}"]
+        for m in others:
+            ppl = by_distance[m]["buckets"][i]["ppl"]
+            cells += [f"{ppl:.2f}", f"{ppl / bucket['ppl']:.3f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], config: dict, bench: dict,
+                      evaluation: dict) -> str:
     """The Markdown report of a run: the summary table (`rows` over the `metrics` values,
-    shown as `table` says), then each stage's details, the configuration and bench.json."""
+    shown as `table` says), then each stage's details, the configuration and bench.json;
+    `evaluation` is eval.json."""
     m = metrics
     lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`", ""]
     if m["quick"]:
@@ -120,13 +137,14 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         "## 2. Recovery by continual training",
         "",
-        "| model | perplexity | x original |",
-        "|---|---|---|",
+        "| model | held-out perplexity | x original | out-of-domain perplexity | x original |",
+        "|---|---|---|---|---|",
     ]
     for key, label in (("original", "original"), ("converted", "converted, untrained"),
                        ("transfer", f"after transfer ({m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, {m['transfer_minutes']:.1f} min)"),
                        ("final", f"after lm ({m['lm_steps']} steps, {m['lm_tokens']:,} tokens, {m['lm_minutes']:.1f} min)")):
-        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.2f} |")
+        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.3f} | "
+                     f"{m[f'ppl_ood_{key}']:.2f} | {m[f'ppl_ood_{key}'] / m['ppl_ood_original']:.3f} |")
     lines += [
         "",
         "The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced "
@@ -135,7 +153,17 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         "![loss](loss.png)",
         "",
-        "## 3. Cache, speed and memory",
+        "## 3. The rival at equal cache, and what is lost at a distance",
+        "",
+        f"The last column of the summary is the training-free rival at equal cache bytes: the same {m['replaced_groups']} "
+        f"KV groups replaced by the `window` mixer, the heads' own attention over the last {m['baseline_window']} tokens "
+        "and the sinks, whose ring buffer holds as many bytes as the converted model's mixer state. Training is only "
+        "worth it where the converted model beats this window. Perplexity by position in the held-out sequences "
+        "(a token at position p has p tokens before it):",
+        "",
+        *distance_table(evaluation["ppl-by-distance"]),
+        "",
+        "## 4. Cache, speed and memory",
         "",
         "Measured in one process, the original model (with transformers' dynamic cache, and with its static "
         f"cache) alternating with the converted one, fp32, batch 1, {m['bench_threads']} torch thread(s); decode "
@@ -152,7 +180,7 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         "![bench](bench.png)",
         "",
-        "## 4. Time and memory per stage",
+        "## 5. Time and memory per stage",
         "",
         "| stage | seconds | peak resident memory |",
         "|---|---|---|",

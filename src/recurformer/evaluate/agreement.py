@@ -21,8 +21,9 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, option, require
 from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
 from ..loading import RECURFORMER_TYPE, is_converted, load_teacher
+from ..metrics import BASELINE, Metric, Row, per_model
 from .logits import chunked_logits, last_hidden
-from .registry import Task, register
+from .registry import RunSettings, Task, register
 
 
 @torch.no_grad()
@@ -79,5 +80,27 @@ def evaluate(model, tokenizer, options: AgreementOptions) -> dict:
             "top1_agreement": sum(f["top1_agreement"] * f["tokens"] for f in files) / tokens, "files": files}
 
 
-register(Task(name="agreement", summary="KL to and top-1 agreement with the original model (docs/tasks.md)",
-              options=AgreementOptions, evaluate=evaluate, report_order=30))
+def run_options(settings: RunSettings) -> dict[str, AgreementOptions]:
+    """On held-out and out-of-domain text, 4,096 tokens of each in windows of 1,024."""
+    sizes = dict(context=128, max_tokens=256) if settings.quick else dict(context=1024, max_tokens=4096)
+    return {"agreement": AgreementOptions(data=[*settings.eval_data, *settings.ood_data], **sizes)}
+
+
+RUN_MODELS = ("final", BASELINE)
+
+register(Task(
+    name="agreement", summary="KL to and top-1 agreement with the original model (docs/tasks.md)",
+    options=AgreementOptions, evaluate=evaluate, report_order=30, run_options=run_options, run_models=RUN_MODELS,
+    metrics=(
+        *per_model("agreement", "top1_agreement", "top-1 agreement with the original", RUN_MODELS, fmt="{:.1%}",
+                   better="higher", key="agreement_top1"),
+        *per_model("agreement", "kl", "KL(original || model) per token, nats", RUN_MODELS, fmt="{:.4f}",
+                   better="lower", key="agreement_kl"),
+        Metric("agreement_tokens", "tokens compared with the original",
+               lambda r: r.result("agreement", "final")["tokens"], "{:,}", unit="tokens"),
+    ),
+    rows=(Row("top-1 agreement with the original ({agreement_tokens} tokens, held-out + out-of-domain)", None,
+              "agreement_top1_final", None, baseline="agreement_top1_baseline"),
+          Row("KL(original || model) per token, nats", None, "agreement_kl_final", None,
+              baseline="agreement_kl_baseline")),
+))

@@ -46,10 +46,10 @@ def evaluate(model, tokenizer, options: HashHopOptions) -> dict:
                             target_tokens=options.context, seed=options.seed, batch_size=options.batch_size)
 
 
-def run_options(settings: RunSettings) -> HashHopOptions:
+def run_options(settings: RunSettings) -> dict[str, HashHopOptions]:
     if settings.quick:
-        return HashHopOptions(problems=2, context=160, hops=1, seed=settings.seed)
-    return HashHopOptions(problems=24, context=256, hops=1, seed=settings.seed)
+        return {"hashhop": HashHopOptions(problems=2, context=160, hops=1, seed=settings.seed)}
+    return {"hashhop": HashHopOptions(problems=24, context=256, hops=1, seed=settings.seed)}
 
 
 register(Task(

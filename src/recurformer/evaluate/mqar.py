@@ -62,10 +62,10 @@ def evaluate(model, tokenizer, options: MQAROptions) -> dict:
                          num_kv_pairs=options.kv_pairs, seed=options.seed, batch_size=options.batch_size)
 
 
-def run_options(settings: RunSettings) -> MQAROptions:
+def run_options(settings: RunSettings) -> dict[str, MQAROptions]:
     if settings.quick:
-        return MQAROptions(problems=2, context=64, kv_pairs=4, seed=settings.seed, batch_size=8)
-    return MQAROptions(problems=32, context=256, kv_pairs=16, seed=settings.seed, batch_size=8)
+        return {"mqar": MQAROptions(problems=2, context=64, kv_pairs=4, seed=settings.seed, batch_size=8)}
+    return {"mqar": MQAROptions(problems=32, context=256, kv_pairs=16, seed=settings.seed, batch_size=8)}
 
 
 register(Task(

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..config import option, require
 from ..data import check_length, load_documents, tokenize_documents
-from ..metrics import MODELS, Metric, Row, per_model
+from ..metrics import BASELINE, MODELS, Metric, Row, per_model
 from .registry import RunSettings, Task, register
 
 
@@ -102,22 +102,45 @@ def evaluate(model, tokenizer, options: PerplexityOptions) -> dict:
     return {"data": [str(p) for p in options.data], **result.to_dict()}
 
 
-def run_options(settings: RunSettings) -> PerplexityOptions:
-    if settings.quick:
-        return PerplexityOptions(data=settings.eval_data, context=128, max_tokens=512)
-    return PerplexityOptions(data=settings.eval_data, context=1024, max_tokens=16384)
+def run_options(settings: RunSettings) -> dict[str, PerplexityOptions]:
+    """Held-out (`ppl`) and out-of-domain (`ppl-ood`) text, the first 16,384 tokens of each
+    in windows of 2,048."""
+    sizes = dict(context=128, max_tokens=512) if settings.quick else dict(context=2048, max_tokens=16384)
+    runs = {"ppl": PerplexityOptions(data=list(settings.eval_data), **sizes)}
+    if settings.ood_data:
+        runs["ppl-ood"] = PerplexityOptions(data=list(settings.ood_data), **sizes)
+    return runs
+
+
+def ratio(task: str, model: str, reference: str = "original"):
+    """The metric function: perplexity of `model` / of `reference` on the text of `task`."""
+    return lambda r: r.result(task, model)["ppl"] / r.result(task, reference)["ppl"]
 
 
 register(Task(
     name="ppl", summary="perplexity of a text (--data), in windows of --context tokens",
     options=PerplexityOptions, evaluate=evaluate, report_order=0,
-    run_options=run_options, run_models=MODELS,
+    run_options=run_options, run_models=(*MODELS, BASELINE),
     metrics=(
-        *per_model("ppl", "ppl", "held-out perplexity", MODELS, fmt="{:.2f}", better="lower"),
+        *per_model("ppl", "ppl", "held-out perplexity", (*MODELS, BASELINE), fmt="{:.2f}", better="lower"),
         Metric("ppl_tokens", "held-out tokens predicted", lambda r: r.result("ppl", "original")["tokens"], "{:,}",
                unit="tokens"),
-        Metric("ppl_ratio", "held-out perplexity, converted / original",
-               lambda r: r.result("ppl", "final")["ppl"] / r.result("ppl", "original")["ppl"], "{:.2f}x", "lower", "x"),
+        Metric("ppl_context", "tokens per perplexity window", lambda r: r.result("ppl", "original")["context"], "{:,}",
+               unit="tokens"),
+        Metric("ppl_ratio", "held-out perplexity, converted / original", ratio("ppl", "final"), "{:.3f}x", "lower", "x"),
+        Metric("ppl_baseline_ratio", "held-out perplexity, window at equal cache / original", ratio("ppl", BASELINE),
+               "{:.3f}x", "lower", "x"),
+        *per_model("ppl-ood", "ppl", "out-of-domain perplexity", (*MODELS, BASELINE), fmt="{:.2f}", better="lower",
+                   key="ppl_ood"),
+        Metric("ppl_ood_tokens", "out-of-domain tokens predicted", lambda r: r.result("ppl-ood", "original")["tokens"],
+               "{:,}", unit="tokens"),
+        Metric("ppl_ood_ratio", "out-of-domain perplexity, converted / original", ratio("ppl-ood", "final"), "{:.3f}x",
+               "lower", "x"),
+        Metric("ppl_ood_baseline_ratio", "out-of-domain perplexity, window at equal cache / original",
+               ratio("ppl-ood", BASELINE), "{:.3f}x", "lower", "x"),
     ),
-    rows=(Row("perplexity, held-out text ({ppl_tokens} tokens)", "ppl_original", "ppl_final", "ppl_ratio"),),
+    rows=(Row("perplexity, held-out text ({ppl_tokens} tokens, windows of {ppl_context})", "ppl_original", "ppl_final",
+              "ppl_ratio", baseline="ppl_baseline", baseline_ratio="ppl_baseline_ratio"),
+          Row("perplexity, out-of-domain text ({ppl_ood_tokens} tokens, never trained on)", "ppl_ood_original",
+              "ppl_ood_final", "ppl_ood_ratio", baseline="ppl_ood_baseline", baseline_ratio="ppl_ood_baseline_ratio")),
 ))

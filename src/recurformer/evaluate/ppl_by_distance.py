@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import option, require
 from ..data import EVAL_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
-from ..metrics import Metric, Row
+from ..metrics import BASELINE, Metric, Row
 from .logits import chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
 
@@ -105,29 +105,46 @@ def evaluate(model, tokenizer, options: PplByDistanceOptions) -> dict:
     return {"data": [str(p) for p in options.data], **result}
 
 
-def run_options(settings: RunSettings) -> PplByDistanceOptions:
+def run_options(settings: RunSettings) -> dict[str, PplByDistanceOptions]:
     if settings.quick:
-        return PplByDistanceOptions(data=settings.eval_data, context=128, sequences=1)
-    return PplByDistanceOptions(data=settings.eval_data, context=4096, sequences=1)
+        return {"ppl-by-distance": PplByDistanceOptions(data=settings.eval_data, context=128, sequences=1)}
+    return {"ppl-by-distance": PplByDistanceOptions(data=settings.eval_data, context=4096, sequences=2)}
 
 
-def far_bucket(r, model: str) -> dict:
-    """The farthest position bucket of the task's result on `model`."""
-    return r.result("ppl-by-distance", model)["buckets"][-1]
+FAR = 1024  # `run` reports the tokens with at least this many tokens before them
 
+
+def far_buckets(r, model: str) -> list[dict]:
+    """The buckets at positions >= FAR of the task's result on `model` (the last bucket if
+    the sequences are shorter: a quick run)."""
+    buckets = r.result("ppl-by-distance", model)["buckets"]
+    return [b for b in buckets if b["start"] >= FAR] or buckets[-1:]
+
+
+def far_ppl(r, model: str) -> float:
+    far = far_buckets(r, model)
+    return math.exp(sum(b["nll"] * b["tokens"] for b in far) / sum(b["tokens"] for b in far))
+
+
+RUN_MODELS = ("original", "final", BASELINE)
 
 register(Task(
     name="ppl-by-distance", summary="loss by token position on long held-out sequences (docs/tasks.md)",
-    options=PplByDistanceOptions, evaluate=evaluate, report_order=5, run_options=run_options,
+    options=PplByDistanceOptions, evaluate=evaluate, report_order=5, run_options=run_options, run_models=RUN_MODELS,
     metrics=(
-        *(Metric(f"ppl_far_{m}", f"held-out perplexity at the farthest positions: {m}",
-                 (lambda r, m=m: far_bucket(r, m)["ppl"]), "{:.2f}", "lower") for m in ("original", "final")),
-        Metric("ppl_far_ratio", "held-out perplexity at the farthest positions, converted / original",
-               lambda r: far_bucket(r, "final")["ppl"] / far_bucket(r, "original")["ppl"], "{:.2f}x", "lower", "x"),
-        Metric("ppl_far_positions", "the farthest position bucket", lambda r: far_bucket(r, "original")["bucket"]),
+        Metric("ppl_far_from", "first position of the far buckets", lambda r: far_buckets(r, "original")[0]["start"],
+               "{:,}"),
+        *(Metric(f"ppl_far_{m}", f"held-out perplexity at the far positions: {m}", (lambda r, m=m: far_ppl(r, m)),
+                 "{:.2f}", "lower") for m in RUN_MODELS),
+        *(Metric(f"ppl_far_{m}_ratio", f"held-out perplexity at the far positions, {m} / original",
+                 (lambda r, m=m: far_ppl(r, m) / far_ppl(r, "original")), "{:.3f}x", "lower", "x")
+          for m in ("final", BASELINE)),
         Metric("ppl_far_context", "tokens per ppl-by-distance sequence",
                lambda r: r.result("ppl-by-distance", "original")["context"], "{:,}", unit="tokens"),
+        Metric("ppl_far_sequences", "ppl-by-distance sequences",
+               lambda r: r.result("ppl-by-distance", "original")["sequences"]),
     ),
-    rows=(Row("perplexity at positions {ppl_far_positions} of {ppl_far_context}-token held-out sequences",
-              "ppl_far_original", "ppl_far_final", "ppl_far_ratio"),),
+    rows=(Row("perplexity at positions >= {ppl_far_from} of {ppl_far_sequences} held-out sequences of {ppl_far_context} "
+              "tokens", "ppl_far_original", "ppl_far_final", "ppl_far_final_ratio", baseline="ppl_far_baseline",
+              baseline_ratio="ppl_far_baseline_ratio"),),
 ))

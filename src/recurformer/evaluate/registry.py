@@ -24,6 +24,7 @@ class RunSettings:
     quick: bool  # tiny sizes: a smoke test
     eval_data: list[str]  # held-out text files
     seed: int
+    ood_data: tuple[str, ...] = ()  # out-of-domain text files (evaluation only)
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,11 @@ class Task:
     """One evaluation. `evaluate(model, tokenizer, options)` returns a flat dict of results.
 
     `argument` names an options field that may be given after a colon in the task name
-    (`lm-eval:hellaswag` sets `tasks`). `run_options(settings)` gives the options `run`
-    uses (None: `run` does not use the task), on each model of `run_models`; `metrics` and
-    `rows` are what the task adds to the run's metrics and summary table, where tasks come
-    in `report_order`.
+    (`lm-eval:hellaswag` sets `tasks`). `run_options(settings)` gives the evaluations `run`
+    makes with the task, as `{key: options}` (the key names the result in eval.json, e.g.
+    `ppl` on held-out and `ppl-ood` on out-of-domain text; None: `run` does not use the
+    task), each on every model of `run_models`; `metrics` and `rows` are what the task adds
+    to the run's metrics and summary table, where tasks come in `report_order`.
     """
 
     name: str
@@ -42,7 +44,7 @@ class Task:
     options: type
     evaluate: Callable[[Any, Any, Any], dict]
     argument: str | None = None
-    run_options: Callable[[RunSettings], Any] | None = None
+    run_options: Callable[[RunSettings], dict[str, Any]] | None = None
     run_models: tuple[str, ...] = ("original", "final")
     metrics: tuple[Metric, ...] = ()
     rows: tuple[Row, ...] = ()
