@@ -10,6 +10,7 @@ from recurformer.evaluate import TASKS, RunSettings, lookup_task, make_options
 from recurformer.evaluate.hashhop import hashhop_accuracy
 from recurformer.evaluate.mqar import mqar_accuracy
 from recurformer.evaluate.perplexity import perplexity, windows
+from recurformer.metrics import BASELINE, MODELS
 from recurformer.surgery import convert
 
 TOY_TASKS = Path(__file__).parent / "data" / "lm_eval_toy"
@@ -103,6 +104,8 @@ def test_every_task_module_registers_itself():
             for quick in (False, True):
                 runs = task.run_options(RunSettings(quick, ["held-out.txt"], 0, ("other.txt",)))
                 assert runs and all(isinstance(options, task.options) for options in runs.values())
+                for key in runs:  # each evaluation runs on models that a run has
+                    assert task.models_for(key) and set(task.models_for(key)) <= {*MODELS, BASELINE}
 
 
 @pytest.mark.parametrize("spec, message", [

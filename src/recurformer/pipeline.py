@@ -441,13 +441,13 @@ def _evaluate(run: Run) -> dict:
     runs = {task.name: task.run_options(settings) for task in tasks}
     results: dict[str, dict[str, Any]] = {key: {} for task in tasks for key in runs[task.name]}
     for name in (*MODELS, BASELINE):
-        users = [task for task in tasks if name in task.run_models]
-        if not users:
+        work = [(task, key, options) for task in tasks for key, options in runs[task.name].items()
+                if name in task.models_for(key)]
+        if not work:
             continue
         model = _evaluated_model(run, name).eval()
-        for task in users:
-            for key, options in runs[task.name].items():
-                results[key][name] = task.evaluate(model, run.original[1], options)
+        for task, key, options in work:
+            results[key][name] = task.evaluate(model, run.original[1], options)
     write_json_atomic(run.layout.evaluation, results)
     return {"evaluations": list(results), "baseline_window": run.baseline[1]}
 

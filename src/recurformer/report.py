@@ -143,8 +143,9 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
     for key, label in (("original", "original"), ("converted", "converted, untrained"),
                        ("transfer", f"after transfer ({m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, {m['transfer_minutes']:.1f} min)"),
                        ("final", f"after lm ({m['lm_steps']} steps, {m['lm_tokens']:,} tokens, {m['lm_minutes']:.1f} min)")):
-        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.3f} | "
-                     f"{m[f'ppl_ood_{key}']:.2f} | {m[f'ppl_ood_{key}'] / m['ppl_ood_original']:.3f} |")
+        ood = m.get(f"ppl_ood_{key}")  # out-of-domain: the original and the final model only
+        ood_cells = "| | |" if ood is None else f"| {ood:.2f} | {ood / m['ppl_ood_original']:.3f} |"
+        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.3f} {ood_cells}")
     lines += [
         "",
         "The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced "

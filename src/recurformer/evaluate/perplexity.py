@@ -120,7 +120,7 @@ def ratio(task: str, model: str, reference: str = "original"):
 register(Task(
     name="ppl", summary="perplexity of a text (--data), in windows of --context tokens",
     options=PerplexityOptions, evaluate=evaluate, report_order=0,
-    run_options=run_options, run_models=(*MODELS, BASELINE),
+    run_options=run_options, run_models={"ppl": (*MODELS, BASELINE), "ppl-ood": ("original", "final", BASELINE)},
     metrics=(
         *per_model("ppl", "ppl", "held-out perplexity", (*MODELS, BASELINE), fmt="{:.2f}", better="lower"),
         Metric("ppl_tokens", "held-out tokens predicted", lambda r: r.result("ppl", "original")["tokens"], "{:,}",
@@ -130,8 +130,8 @@ register(Task(
         Metric("ppl_ratio", "held-out perplexity, converted / original", ratio("ppl", "final"), "{:.3f}x", "lower", "x"),
         Metric("ppl_baseline_ratio", "held-out perplexity, window at equal cache / original", ratio("ppl", BASELINE),
                "{:.3f}x", "lower", "x"),
-        *per_model("ppl-ood", "ppl", "out-of-domain perplexity", (*MODELS, BASELINE), fmt="{:.2f}", better="lower",
-                   key="ppl_ood"),
+        *per_model("ppl-ood", "ppl", "out-of-domain perplexity", ("original", "final", BASELINE), fmt="{:.2f}",
+                   better="lower", key="ppl_ood"),
         Metric("ppl_ood_tokens", "out-of-domain tokens predicted", lambda r: r.result("ppl-ood", "original")["tokens"],
                "{:,}", unit="tokens"),
         Metric("ppl_ood_ratio", "out-of-domain perplexity, converted / original", ratio("ppl-ood", "final"), "{:.3f}x",

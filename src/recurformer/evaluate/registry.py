@@ -35,8 +35,9 @@ class Task:
     (`lm-eval:hellaswag` sets `tasks`). `run_options(settings)` gives the evaluations `run`
     makes with the task, as `{key: options}` (the key names the result in eval.json, e.g.
     `ppl` on held-out and `ppl-ood` on out-of-domain text; None: `run` does not use the
-    task), each on every model of `run_models`; `metrics` and `rows` are what the task adds
-    to the run's metrics and summary table, where tasks come in `report_order`.
+    task), each on every model of `run_models` (or, if it is a mapping, on the models it
+    gives for that key); `metrics` and `rows` are what the task adds to the run's metrics
+    and summary table, where tasks come in `report_order`.
     """
 
     name: str
@@ -45,13 +46,17 @@ class Task:
     evaluate: Callable[[Any, Any, Any], dict]
     argument: str | None = None
     run_options: Callable[[RunSettings], dict[str, Any]] | None = None
-    run_models: tuple[str, ...] = ("original", "final")
+    run_models: tuple[str, ...] | dict[str, tuple[str, ...]] = ("original", "final")
     metrics: tuple[Metric, ...] = ()
     rows: tuple[Row, ...] = ()
     report_order: int = 100
 
     def option_names(self) -> list[str]:
         return [f.name for f in fields(self.options)]
+
+    def models_for(self, key: str) -> tuple[str, ...]:
+        """The models `run` evaluates with the task's evaluation `key`."""
+        return self.run_models[key] if isinstance(self.run_models, dict) else self.run_models
 
 
 TASKS: dict[str, Task] = {}
