@@ -110,6 +110,8 @@ def test_learning_rates_reach_the_training_stages(texts, tmp_path):
     assert mamba2.train_config("lm", 1).lr == 2e-4
     assert [chosen.train_config(stage, 1).lr for stage in ("transfer", "lm")] == [2e-3, 2e-4]
     assert chosen.train_config("lm", 1).trainable == "mixers+lora"
+    lm = default.train_config("lm", 1)  # 8 x 512 tokens per step, in micro-batches of 1,024 tokens
+    assert (lm.batch_size, lm.seq_len, lm.grad_accum) == (8, 512, 4)
 
 
 def test_cli_steps_must_be_a_pair(texts, tmp_path, capsys):

@@ -30,6 +30,7 @@ configuration is refused before any work starts.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -72,6 +73,7 @@ from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, tra
 
 RUN_SCHEMA = "recurformer-run/2"
 TRANSFER_SHARE = 0.35
+MICRO_BATCH_TOKENS = 1024
 def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
     """A parser for `TRANSFER,LM`: two values read by `convert`."""
 
@@ -326,6 +328,9 @@ class Run:
         else:
             extra = dict(trainable="mixers+lora", distill_weight=1.0) if stage == "lm" else {}
             sizes = dict(seq_len=self.sizes.train_seq_len, batch_size=self.sizes.train_batch)
+        # the same step in micro-batches of about MICRO_BATCH_TOKENS: the activations kept for
+        # the backward pass, not the step's tokens, set the peak memory (docs/training.md)
+        sizes["grad_accum"] = math.gcd(sizes["batch_size"], max(1, sizes["batch_size"] * sizes["seq_len"] // MICRO_BATCH_TOKENS))
         return TrainConfig(stage=stage, steps=steps, checkpoint_every=5, seed=self.config.seed, lr=lr, **sizes, **extra)
 
     def task_settings(self) -> RunSettings:
