@@ -313,3 +313,16 @@ def test_run_with_the_ablation_scorer_converts_the_cheapest_groups(texts, tmp_pa
     assert scores["ablation"]["ablation_seq_len"] == 128 and not (tmp_path / "run" / "ablation-partial.json").exists()
     converted = json.loads((tmp_path / "run" / "converted" / "config.json").read_text())
     assert {tuple(g) for g in converted["replacement"]["groups"]} == set(sorted(costs, key=lambda g: (costs[g], g))[:2])
+
+
+def test_a_new_process_takes_a_stage_model_from_its_directory(texts, tmp_path):
+    """A re-run after a crash holds no model in memory: the next training stage loads it."""
+    train, held_out = texts
+    config = RunConfig(model=str(save_tiny_model(tmp_path / "tiny")), data=train, eval_data=held_out, quick=True)
+    first = Run(config, tmp_path / "run")
+    first.claim(force=False)
+    for name, stage, _ in STAGES[:3]:  # resolve, analyze, convert
+        stage(first)
+    saved = dict(first.converted("converted").named_parameters())
+    taken = Run(config, tmp_path / "run").converted("converted", take=True)
+    assert all(torch.equal(p, saved[name]) for name, p in taken.named_parameters())

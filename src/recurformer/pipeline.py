@@ -313,7 +313,7 @@ class Run:
     def converted(self, name: str, take: bool = False):
         """The converted model `name`, held or loaded from its directory; `take` hands it
         over (a training stage changes it in place, so it is no longer `name`)."""
-        model = self._models.pop(name) if take else self._models.get(name)
+        model = self._models.pop(name, None) if take else self._models.get(name)
         if model is None:
             model = load_converted(self.layout.model(name))[0]
             if not take:
