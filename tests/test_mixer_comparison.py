@@ -43,8 +43,22 @@ def test_table_of_comparable_runs(mixers, tmp_path):
     assert table["runs"][0]["transfer_s_per_step"] == pytest.approx(12.0)
     assert table["runs"][1]["lm_s_per_step"] == pytest.approx(60.0)
     text = (tmp_path / "table.md").read_text()
-    assert "| `window` | 1.050x |" in text and "Lowest final perplexity at this budget: `window` (40.25)" in text
+    assert "| `window` | 1.050x |" in text and "Lowest final held-out perplexity: `window` (40.25)" in text
     assert "| **40.25** |" in text and "| 65.50 |" in text  # lower perplexity is better: the best is bold
+
+
+def test_one_table_per_beta_and_evaluation(mixers, tmp_path):
+    new = dict(ppl_context=2048, ppl_original=19.2, ppl_ood_original=28.4, ppl_ood_ratio=1.03, baseline_window=169,
+               ppl_baseline_ratio=1.031)
+    runs = [fake_run(tmp_path, "mamba", 65.5), fake_run(tmp_path, "window+mamba2", 19.7, **new),
+            fake_run(tmp_path, "wm2-075", 20.5, mixer="window+mamba2", beta=0.75, **new)]
+    assert mixers.main([*runs, "--out", str(tmp_path / "table")]) == 0
+    text = (tmp_path / "table.md").read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings == ["## beta 0.5, perplexity in windows of 2,048",
+                        "## beta 0.5, perplexity in windows of 1,024 (an older version)",
+                        "## beta 0.75, perplexity in windows of 2,048"]
+    assert "(out-of-domain: 28.40)" in text and "| 169 |" in text
 
 
 def test_columns_come_from_the_metric_table(mixers):
@@ -57,7 +71,7 @@ def test_columns_come_from_the_metric_table(mixers):
 
 @pytest.mark.parametrize("change, message", [
     (dict(lm_steps=17), "lm_steps is 17 there and 16 here"),
-    (dict(beta=0.75), "beta is 0.75 there and 0.5 here"),
+    (dict(seed=1), "seed is 1 there and 0 here"),
     (dict(mixer="mamba"), "each run must differ in mixer or learning rates"),
 ])
 def test_runs_trained_differently_are_refused(mixers, tmp_path, change, message):
