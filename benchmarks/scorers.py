@@ -1,15 +1,19 @@
-"""Which groups to window: the `recency`, `ablation` and `random` scorers compared on
-SmolLM2-135M with the training-free `window` mixer (window 64 + 4 sinks), no training.
+"""Which groups to window: the `recency`, `ablation`, `ablation-greedy` and `random` scorers
+compared on SmolLM2-135M with the training-free `window` mixer (window 64 + 4 sinks), no training.
 
     python benchmarks/scorers.py            # resumes: finished measurements are kept in the JSON
 
 Scores: the recency scores of docs/results/smollm2-135m-scores.json; the ablation costs are
-measured on wikitext-2-valid (calibration text only) and written with them into
-docs/results/smollm2-135m-ablation-scores.json (resumable through a checkpoint beside it).
-Each selection (scorer x beta) is converted and its perplexity measured on the first
-`--tokens` tokens of the held-out and the out-of-domain text in `--context`-token windows,
-as is the original. Writes docs/results/scorers.json and the "Scorers" section of
-docs/results/analysis.md (replaced on every run). One thread: the machine is shared.
+measured on wikitext-2-valid (calibration text only), once per setting in `ABLATIONS`, and
+written with them into docs/results/smollm2-135m-<measurement>-scores.json (resumable
+through a checkpoint beside it). `ablation-greedy` is the default settings (2 x 1,024
+tokens from 256, four rounds): the `ablation-greedy` variant takes its order, the `ablation`
+variant its round 0 (the single-group costs). `ablation-2048` is the first version's
+settings (2 x 2,048 tokens from 1,024, one round). Each selection (variant x beta) is
+converted and its perplexity measured on the first `--tokens` tokens of the held-out and
+the out-of-domain text in `--context`-token windows, as is the original. Writes
+docs/results/scorers.json and the "Scorers" section of docs/results/analysis.md (replaced
+on every run). One thread: the machine is shared.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from recurformer.ablation import AblationConfig, ablation_costs, calibration_sequences
+from recurformer.ablation import AblationConfig, calibration_sequences, measure_ablation
 from recurformer.config import MixerConfig
 from recurformer.data import load_documents
 from recurformer.evaluate import TASKS
 from recurformer.evaluate.perplexity import PerplexityOptions
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.loading import load_model
-from recurformer.scoring import HeadScores, SelectionConfig
+from recurformer.scoring import HeadScores, SelectionConfig, record_ablation
 from recurformer.surgery import convert
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,24 +41,27 @@ RESULTS = ROOT / "docs" / "results"
 DATA = ROOT.parent / "shared" / "data"
 TEXTS = {"held-out": "wikitext-2-raw-test.txt", "out-of-domain": "lee-background-news.txt"}
 CALIBRATION = "wikitext-2-valid.txt"
-SCORERS = ("recency", "ablation", "random")
+# measurement -> its settings; variant -> (scorer, the measurement its scores need, or None: the recency scores)
+ABLATIONS = {"ablation-greedy": AblationConfig(),
+             "ablation-2048": AblationConfig(ablation_seq_len=2048, ablation_from=1024, ablation_rounds=1)}
+VARIANTS = {"recency": ("recency", None), "ablation-2048": ("ablation", "ablation-2048"),
+            "ablation": ("ablation", "ablation-greedy"), "ablation-greedy": ("ablation-greedy", "ablation-greedy"),
+            "random": ("random", None)}
+SCORERS = tuple(VARIANTS)
 SECTION = "## Scorers: which groups to window (training-free)"
 BEGIN, END = "<!-- written by benchmarks/scorers.py -->", "<!-- end of benchmarks/scorers.py -->"
 
 
-def ablation_scores(model, tokenizer, recency: HeadScores, path: Path, data: Path) -> HeadScores:
-    """The recency scores plus each group's ablation cost, measured (or resumed) and saved at `path`."""
+def ablation_scores(model, tokenizer, recency: HeadScores, path: Path, data: Path, config: AblationConfig) -> HeadScores:
+    """The recency scores plus the ablation measurement `config`, measured (or resumed) and saved at `path`."""
     if path.is_file():
         return HeadScores.load(path)
-    config = AblationConfig()
     tokens = calibration_sequences(tokenizer, load_documents([data]), config, model.config, seed=0)
-    start = time.perf_counter()
-    costs, base = ablation_costs(model, tokens, config, checkpoint=path.with_name(path.name + ".ablation-partial.json"))
-    recency.groups["ablation"] = costs
-    recency.ablation = {**asdict(config), "base_nll": base, "seconds": time.perf_counter() - start,
-                        "data": [f"../{data.relative_to(ROOT.parent)}"]}
+    partial = path.with_name(path.name + ".ablation-partial.json")
+    record_ablation(recency, measure_ablation(model, tokens, config, checkpoint=partial), config)
+    recency.ablation["data"] = [f"../{data.relative_to(ROOT.parent)}"]
     recency.save(path)
-    path.with_name(path.name + ".ablation-partial.json").unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)
     return recency
 
 
@@ -92,7 +99,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(Path.home() / ".cache/recurformer/models/smollm2-135m"))
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
-    parser.add_argument("--ablation-scores", default=str(RESULTS / "smollm2-135m-ablation-scores.json"))
     parser.add_argument("--tokens", type=int, default=16384, help="tokens scored of each evaluation text")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--betas", type=float, nargs="+", default=[0.5, 0.75])
@@ -105,10 +111,10 @@ def main() -> None:
     net, tokenizer, _ = load_model(args.model)
     recency = HeadScores.load(args.scores)
     recency.check_model(net, args.model)
-    scores = {"recency": recency, "random": recency}
-    if "ablation" in args.scorers:
-        scores["ablation"] = ablation_scores(net, tokenizer, HeadScores.load(args.scores), Path(args.ablation_scores),
-                                             DATA / CALIBRATION)
+    measured = {name: ablation_scores(net, tokenizer, HeadScores.load(args.scores),
+                                      RESULTS / f"smollm2-135m-{name}-scores.json", DATA / CALIBRATION, config)
+                for name, config in ABLATIONS.items() if any(VARIANTS[v][1] == name for v in args.scorers)}
+    scores = {v: measured[VARIANTS[v][1]] if VARIANTS[v][1] else recency for v in args.scorers}
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.is_file() else {}
     settings = {"tokens": args.tokens, "context": args.context, "mixer": asdict(MixerConfig(kind="window"))}
@@ -125,18 +131,16 @@ def main() -> None:
     chosen = {}
     for beta in args.betas:
         for scorer in args.scorers:
-            spec = SelectionConfig(beta=beta, scorer=scorer, seed=0).select(scores[scorer])
+            spec = SelectionConfig(beta=beta, scorer=VARIANTS[scorer][0], seed=0).select(scores[scorer])
             chosen[f"{scorer}@{beta}"] = set(spec.groups)
             if f"{scorer}@{beta}" not in results:
                 record(f"{scorer}@{beta}", convert(net, spec, MixerConfig(kind="window")))
     summary = {"settings": settings, "perplexity": results}
-    if "ablation" in scores:
-        costs, rr = scores["ablation"].group_values("ablation"), recency.group_values()
-        rho = spearman(rr, {g: -c for g, c in costs.items()})  # both: higher = replaced earlier
-        summary["ablation"] = {**scores["ablation"].ablation, "spearman_recency_vs_ablation": rho,
-                               "overlap": {str(b): len(chosen[f"recency@{b}"] & chosen[f"ablation@{b}"])
-                                           for b in args.betas},
-                               "chosen": {str(b): len(chosen[f"ablation@{b}"]) for b in args.betas}}
+    rr = recency.group_values()
+    summary["ablations"] = {name: {**held.ablation, "spearman_recency_vs_ablation": spearman(
+        rr, {g: -c for g, c in held.group_values("ablation").items()})} for name, held in measured.items()}
+    summary["overlap_with_recency"] = {v: {str(b): len(chosen[f"recency@{b}"] & chosen[f"{v}@{b}"]) for b in args.betas}
+                                       for v in args.scorers if v != "recency" and "recency" in args.scorers}
     write_json_atomic(out, summary)
     write_section(Path(args.markdown), summary, args)
 
@@ -147,20 +151,28 @@ def write_section(path: Path, summary: dict, args) -> None:
     head = text.split(SECTION)[0].rstrip("\n")
     tail = text.split(END, 1)[1] if END in text else "\n"
     lines = [SECTION, "", BEGIN,
-             f"`python benchmarks/scorers.py` ([`scorers.json`](scorers.json)): SmolLM2-135M, every selected group "
+             (f"`python benchmarks/scorers.py` ([`scorers.json`](scorers.json)): SmolLM2-135M, every selected group "
              f"replaced by the training-free `window` mixer (window 64 + 4 sinks, the heads' own weights), no "
              f"training. Perplexity on the first {args.tokens:,} tokens of `wikitext-2-raw-test.txt` (held-out) "
              f"and `lee-background-news.txt` (out-of-domain) in {args.context}-token windows; ratio to the "
-             f"original measured the same way. `random` is one draw (seed 0).", "",
+             f"original measured the same way. `random` is one draw (seed 0)."), "",
              table(summary["perplexity"], args.betas), ""]
-    if "ablation" in summary:
-        a = summary["ablation"]
-        lines += [f"Ablation costs: {a['ablation_sequences']} x {a['ablation_seq_len']} tokens of "
-                  f"`{CALIBRATION}`, NLL of tokens at positions >= {a['ablation_from']} (base NLL "
-                  f"{a['base_nll']:.4f} nats). Spearman rank correlation between the recency ranking (rr_16) and "
-                  f"the ablation ranking (cheapest first): {a['spearman_recency_vs_ablation']:.3f}. Chosen sets "
-                  "shared by recency and ablation: " + ", ".join(
-                      f"{a['overlap'][str(b)]} of {a['chosen'][str(b)]} at beta {b}" for b in args.betas) + ".", ""]
+    for name, a in summary["ablations"].items():
+        rounds = a.get("ablation_rounds", 1)
+        lines.append(f"`{name}` costs: {a['ablation_sequences']} x {a['ablation_seq_len']} tokens of `{CALIBRATION}`, "
+                     f"NLL of tokens at positions >= {a['ablation_from']} (base NLL {a['base_nll']:.4f} nats), "
+                     f"{rounds} round{'s' if rounds > 1 else ''}, {a['seconds']:.0f} s"
+                     + (" (rounds: " + ", ".join(f"{t:.0f} s" for t in a["round_seconds"]) + "; NLL with the earlier "
+                        "rounds' groups windowed: " + ", ".join(f"{n:.4f}" for n in a["round_base_nll"]) + ")"
+                        if rounds > 1 else "")
+                     + f". Spearman rank correlation of its single-group ranking (cheapest first) with recency "
+                     f"(rr_16): {a['spearman_recency_vs_ablation']:.3f}.")
+        lines.append("")
+    if summary["overlap_with_recency"]:
+        lines.append("Chosen groups shared with recency: " + "; ".join(
+            f"{v} " + ", ".join(f"{n} at beta {b}" for b, n in o.items())
+            for v, o in summary["overlap_with_recency"].items() if v != "random") + ".")
+        lines.append("")
     write_text_atomic(path, head + "\n\n" + "\n".join(lines) + END + tail)
 
 

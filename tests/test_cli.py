@@ -169,6 +169,7 @@ def test_analyze_with_the_ablation_scorer_then_convert_the_cheapest_groups(works
     assert code == 0, err
     saved = json.loads((ws / "ablation.json").read_text())
     assert saved["ablation"]["ablation_window"] == 8 and saved["ablation"]["ablation_sequences"] == 2
+    assert saved["ablation"]["ablation_rounds"] == 1  # one round: the greedy rounds are ablation-greedy's
     costs = {(g["layer"], g["kv_head"]): g["ablation"] for g in saved["groups"]}
     assert len(costs) == 4 and not (ws / "ablation.json.ablation-partial.json").exists()
     code, err = run(capsys, "convert", ws / "model", "--scores", ws / "ablation.json", "--scorer", "ablation",
@@ -177,6 +178,22 @@ def test_analyze_with_the_ablation_scorer_then_convert_the_cheapest_groups(works
     config = json.loads((ws / "converted-ablation" / "config.json").read_text())
     replaced = {tuple(g) for g in config["replacement"]["groups"]}
     assert replaced == set(sorted(costs, key=lambda g: (costs[g], g))[:2])
+
+
+def test_analyze_with_the_greedy_ablation_scorer_then_convert_its_first_rounds_groups(workspace, capsys):
+    ws = workspace
+    code, err = run(capsys, *analyze_args(ws, "greedy.json", "--scorer", "ablation-greedy", *ABLATION[2:],
+                                          "--ablation-rounds", 2))
+    assert code == 0, err
+    saved = json.loads((ws / "greedy.json").read_text())
+    assert saved["ablation"]["ablation_rounds"] == 2 and len(saved["ablation"]["round_base_nll"]) == 2
+    order = {(g["layer"], g["kv_head"]): g["ablation_order"] for g in saved["groups"]}
+    assert sorted(order.values()) == [0, 1, 2, 3]
+    code, err = run(capsys, "convert", ws / "model", "--scores", ws / "greedy.json", "--scorer", "ablation-greedy",
+                    "--beta", 0.5, "--out", ws / "converted-greedy")
+    assert code == 0, err
+    config = json.loads((ws / "converted-greedy" / "config.json").read_text())
+    assert {tuple(g) for g in config["replacement"]["groups"]} == {g for g, o in order.items() if o < 2}
 
 
 def test_the_ablation_scorer_says_how_much_text_it_needs(workspace, capsys):

@@ -299,17 +299,18 @@ def test_a_window_with_a_tail_trains_only_its_tail_on_longer_sequences(texts, tm
     assert any(name.endswith(".mixer.gate") for name in changed)  # the gate opened
 
 
-def test_run_with_the_ablation_scorer_converts_the_cheapest_groups(texts, tmp_path):
+@pytest.mark.parametrize("scorer, statistic", [("ablation", "ablation"), ("ablation-greedy", "ablation_order")])
+def test_run_with_an_ablation_scorer_converts_the_cheapest_groups(texts, tmp_path, scorer, statistic):
     train, held_out = texts
     model = save_tiny_model(tmp_path / "model", "llama")
-    config = RunConfig(model=str(model), data=train, eval_data=held_out, quick=True, scorer="ablation", beta=0.5)
+    config = RunConfig(model=str(model), data=train, eval_data=held_out, quick=True, scorer=scorer, beta=0.5)
     run = Run(config, tmp_path / "run")
     run.claim(force=False)
     for name, stage, _ in STAGES:
         if name in ("resolve", "analyze", "convert"):
             stage(run)
     scores = json.loads((tmp_path / "run" / "scores.json").read_text())
-    costs = {(g["layer"], g["kv_head"]): g["ablation"] for g in scores["groups"]}
+    costs = {(g["layer"], g["kv_head"]): g[statistic] for g in scores["groups"]}
     assert scores["ablation"]["ablation_seq_len"] == 128 and not (tmp_path / "run" / "ablation-partial.json").exists()
     converted = json.loads((tmp_path / "run" / "converted" / "config.json").read_text())
     assert {tuple(g) for g in converted["replacement"]["groups"]} == set(sorted(costs, key=lambda g: (costs[g], g))[:2])

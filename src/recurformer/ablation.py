@@ -1,27 +1,44 @@
-"""[ours] What replacing one KV group by a sliding window costs: the `ablation` scorer's numbers.
+"""[ours] What replacing KV groups by a sliding window costs: the `ablation` and
+`ablation-greedy` scorers' numbers.
 
-For every KV group `(layer, kv_head)` alone, the group's query heads attend only to
+A windowed group's query heads attend only to
 
     { j <= i :  i - j < window  or  j < sinks }
 
 (exactly what the training-free `window` mixer computes with the same q/k/v weights and
-RoPE), and the cost is the increase of the mean next-token NLL over the tokens at
-positions >= `ablation_from` of each calibration sequence:
+RoPE), and a cost is an increase of the mean next-token NLL over the tokens at positions
+>= `ablation_from` of each calibration sequence. Round 0 scores every group alone:
 
-    cost(l, g) = mean NLL(group (l, g) windowed) - mean NLL(original)
+    cost(l, g) = NLL(group (l, g) windowed) - NLL(original)
 
-The model is never converted. One plain pass stores every layer's input hidden states;
-ablating a group of layer `l` reruns only layers `l..L-1` from the stored input of layer
-`l`. The groups of one layer (and all sequences) go through together as batch rows: row
-`r` windows group `groups[r // N]`, the attention function registered as
-`ABLATION_ATTENTION` masks just that group's query heads. Finished layers can be written to
-a checkpoint file so that an interrupted run resumes where it stopped.
+Single costs do not add up (windowing many cheap groups together costs far more than the
+sum), so with `ablation_rounds = k` the groups are chosen greedily in k rounds: round r
+windows the cheapest groups of the rounds before it, `S_r`, the first
+`floor(r / k * N + 1/2)` groups (the count `select` takes at beta = r / k), and scores every
+remaining group with them windowed,
+
+    marginal_r(l, g) = NLL(S_r and (l, g) windowed) - NLL(S_r windowed).
+
+The last round ranks all remaining groups. A group's `order` (0 = replaced first) is the
+chain these rounds build, so the top-beta set of any beta contains that of every smaller
+beta; at beta = r / k it is exactly `S_r`, between two boundaries it is `S_r` plus the
+cheapest of round r's marginal costs.
+
+The model is never converted. One pass (with `S_r` windowed) stores every layer's input
+hidden states; scoring a group of layer `l` reruns only layers `l..L-1` from there. The
+groups of one layer (and all sequences) go through together as batch rows: row `b` also
+windows group `groups[b // N]`, the attention function registered as `ABLATION_ATTENTION`
+windows just those query heads, in blocks of `window` queries (`window_attention`). Each
+finished layer of a round can be written to a checkpoint file, so that an interrupted run
+resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,24 +49,28 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .config import ConfigError, MixerConfig, option, require
+from .config import ConfigError, MixerConfig, groups_to_replace, option, require
 from .data import DataError, check_length, token_sequences, tokenize_documents
 from .files import write_json_atomic
 from .surgery import model_fingerprint
 
 ABLATION_ATTENTION = "recurformer_group_ablation"
 _WINDOW = MixerConfig(kind="window")
+Group = tuple[int, int]  # (layer, kv_head)
 
 
 @dataclass(frozen=True)
 class AblationConfig:
-    """How much calibration text the `ablation` scorer reads, and which tokens count."""
+    """How much calibration text the ablation scorers read, which tokens count, and how many
+    greedy rounds `ablation-greedy` takes."""
 
-    ablation_sequences: int = option(2, "ablation scorer: calibration sequences")
-    ablation_seq_len: int = option(2048, "ablation scorer: tokens per calibration sequence")
-    ablation_from: int = option(1024, "ablation scorer: score the NLL of tokens at positions >= this")
-    ablation_window: int = option(_WINDOW.window, "ablation scorer: the window (tokens) a group is cut to")
-    ablation_sinks: int = option(_WINDOW.sinks, "ablation scorer: first tokens a windowed query still sees")
+    ablation_sequences: int = option(2, "ablation scorers: calibration sequences")
+    ablation_seq_len: int = option(1024, "ablation scorers: tokens per calibration sequence")
+    ablation_from: int = option(256, "ablation scorers: score the NLL of tokens at positions >= this")
+    ablation_window: int = option(_WINDOW.window, "ablation scorers: the window (tokens) a group is cut to")
+    ablation_sinks: int = option(_WINDOW.sinks, "ablation scorers: first tokens a windowed query still sees")
+    ablation_rounds: int = option(4, "ablation-greedy scorer: rounds; round r windows the cheapest groups up to "
+                                  "beta = r / rounds and re-scores the rest with them windowed")
 
     def __post_init__(self) -> None:
         require(self.ablation_sequences >= 1, f"--ablation-sequences must be >= 1, got {self.ablation_sequences}")
@@ -57,6 +78,7 @@ class AblationConfig:
                 f"--ablation-from must be in [1, --ablation-seq-len), got {self.ablation_from}")
         require(self.ablation_window >= 1, f"--ablation-window must be >= 1, got {self.ablation_window}")
         require(self.ablation_sinks >= 0, f"--ablation-sinks must be >= 0, got {self.ablation_sinks}")
+        require(self.ablation_rounds >= 1, f"--ablation-rounds must be >= 1, got {self.ablation_rounds}")
 
     @property
     def tokens(self) -> int:
@@ -64,8 +86,22 @@ class AblationConfig:
         return self.ablation_sequences * self.ablation_seq_len
 
 
+@dataclass
+class Ablation:
+    """What `measure_ablation` found, per group `[layers][kv_heads]`: `costs`, round 0's cost
+    of windowing the group alone; `order`, when the rounds replace it (0 first); `marginal`,
+    its cost in the round that ranked it. Per round r: `base[r]`, the NLL with `S_r` windowed
+    (`base[0]`: the original model's), and `seconds[r]` (this call's part of the round)."""
+
+    costs: list[list[float]]
+    order: list[list[int]]
+    marginal: list[list[float]]
+    base: list[float]
+    seconds: list[float]
+
+
 def calibration_sequences(tokenizer, documents: list[str], config: AblationConfig, model_config, seed: int = 0) -> Tensor:
-    """`[N, T]` calibration tokens for `ablation_costs`, drawn with `seed`; a one-line error
+    """`[N, T]` calibration tokens for `measure_ablation`, drawn with `seed`; a one-line error
     saying how many tokens are needed when the documents are too short."""
     check_length(config.ablation_seq_len, model_config)
     _check_window(model_config, config.ablation_seq_len)
@@ -76,10 +112,6 @@ def calibration_sequences(tokenizer, documents: list[str], config: AblationConfi
     return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
 
 
-# The layer being ablated and, per batch row, the KV group it windows; None outside a run.
-_target: tuple[int, Tensor, int, int] | None = None  # (layer, groups per row [B], window, sinks)
-
-
 def window_mask(length: int, window: int, sinks: int, device=None) -> Tensor:
     """`[T, T]` bool, True where query i may see key j: j <= i and (i - j < window or j < sinks)."""
     i = torch.arange(length, device=device)[:, None]
@@ -87,25 +119,61 @@ def window_mask(length: int, window: int, sinks: int, device=None) -> Tensor:
     return (j <= i) & ((i - j < window) | (j < sinks))
 
 
+def window_attention(query: Tensor, key: Tensor, value: Tensor, window: int, sinks: int, scaling: float) -> Tensor:
+    """Softmax attention under `window_mask`: query, key, value `[B, H, T, D]` -> `[B, H, T, D]`.
+
+    Queries go in blocks of `window`; a block sees at most its sinks and the `2 * window - 1`
+    keys ending at its last query, so the work grows with `T * window`, not `T^2`.
+    """
+    length = query.shape[2]
+    outputs = []
+    for start in range(0, length, window):
+        end = min(length, start + window)
+        first = max(0, start - window + 1)
+        keys = torch.cat([torch.arange(min(sinks, first)), torch.arange(first, end)]).to(query.device)
+        i, j = torch.arange(start, end, device=query.device)[:, None], keys[None]
+        mask = (j <= i) & ((i - j < window) | (j < sinks))
+        outputs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, keys], value[:, :, keys],
+                                                      attn_mask=mask, scale=scaling))
+    return torch.cat(outputs, dim=2)
+
+
+@dataclass(frozen=True)
+class _Windowing:
+    """Which groups the attention function windows: `fixed` `[layers, kv_heads]` bool in every
+    row, and in `layer`, row b's group `groups[b]` too."""
+
+    fixed: Tensor
+    layer: int
+    groups: Tensor | None  # [B]
+    window: int
+    sinks: int
+
+    def rows(self, layer: int, batch: int) -> Tensor:
+        """`[B, kv_heads]` bool: the groups windowed in each row of `layer`."""
+        windowed = self.fixed[layer].expand(batch, -1).clone()
+        if layer == self.layer:
+            windowed[torch.arange(batch), self.groups] = True
+        return windowed
+
+
+_windowing: _Windowing | None = None  # set while `measure_ablation` runs
+
+
 def _ablation_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Causal attention; in the target layer, row b's KV group `groups[b]` is windowed.
+    """Causal attention, with the groups `_windowing` names cut to the window.
 
     query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
     Sequences are packed text without padding, so the mask is plain causal.
     """
     size = module.num_key_value_groups
-    out = F.scaled_dot_product_attention(query, repeat_kv(key, size), repeat_kv(value, size), is_causal=True,
-                                         scale=scaling)
-    if _target is not None and module.layer_idx == _target[0]:
-        _, groups, window, sinks = _target
-        rows = torch.arange(query.shape[0], device=query.device)
-        heads = groups[:, None] * size + torch.arange(size, device=query.device)  # [B, size]
-        q = query[rows[:, None], heads]  # [B, size, T, D]
-        k, v = key[rows, groups][:, None], value[rows, groups][:, None]  # [B, 1, T, D]
-        mask = window_mask(query.shape[2], window, sinks, query.device)
-        windowed = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), attn_mask=mask, scale=scaling)
-        out = out.clone()
-        out[rows[:, None], heads] = windowed
+    key, value = repeat_kv(key, size), repeat_kv(value, size)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    if _windowing is not None:
+        windowed = _windowing.rows(module.layer_idx, query.shape[0]).to(query.device)  # [B, Hkv]
+        if windowed.any():
+            cut = window_attention(query, key, value, _windowing.window, _windowing.sinks, scaling)
+            out = torch.where(windowed.repeat_interleave(size, dim=1)[:, :, None, None], cut, out)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -145,70 +213,114 @@ def _checkpoint_key(model, tokens: Tensor, config: AblationConfig) -> dict:
             "shape": list(tokens.shape), **asdict(config)}
 
 
-def _load_checkpoint(path: Path | None, key: dict) -> dict[tuple[int, int], float]:
+def _load_checkpoint(path: Path | None, key: dict) -> dict[int, dict[Group, float]]:
+    """round -> {group: cost} scored so far."""
     if path is None or not path.is_file():
         return {}
     data = json.loads(path.read_text())
     if data.get("key") != key:
         raise ConfigError(f"ablation checkpoint {path} was written for other settings or another model; delete it")
-    return {(c["layer"], c["kv_head"]): float(c["cost"]) for c in data["costs"]}
+    done: dict[int, dict[Group, float]] = {}
+    for c in data["costs"]:
+        done.setdefault(c["round"], {})[(c["layer"], c["kv_head"])] = float(c["cost"])
+    return done
+
+
+def _score_round(model, tokens: Tensor, config: AblationConfig, fixed: Tensor, todo: list[Group],
+                 costs: dict[Group, float], per_batch: int, saved: Callable[[], None], desc: str,
+                 progress: bool) -> float:
+    """Score each group of `todo` not yet in `costs` with the `fixed` `[layers, kv_heads]` groups
+    windowed; fills `costs` (NLL increase over that base), calls `saved()` after each layer
+    that scored any. Returns the base NLL."""
+    global _windowing
+    count, length = tokens.shape
+    layers = model.config.num_hidden_layers
+    window, sinks = config.ablation_window, config.ablation_sinks
+    positions = torch.arange(length)[None]
+    hidden = model.model.embed_tokens(tokens)
+    position_embeddings = model.model.rotary_emb(hidden, positions)
+    _windowing = _Windowing(fixed, -1, None, window, sinks)
+    inputs = []  # inputs[l]: layer l's input [N, T, d]
+    for layer in range(layers):
+        inputs.append(hidden)
+        hidden = _run_layers(model, hidden, layer, layer + 1, position_embeddings, positions)
+    base = _token_nll(model, hidden, tokens, config.ablation_from).mean().item()
+    for layer in tqdm(range(layers), desc=desc, unit="layer", disable=not progress):
+        left = [g for l, g in todo if l == layer and (l, g) not in costs]
+        for first in range(0, len(left), per_batch):
+            chosen = left[first:first + per_batch]
+            rows = torch.tensor(chosen).repeat_interleave(count)  # row r windows chosen[r // N]
+            _windowing = _Windowing(fixed, layer, rows, window, sinks)
+            out = _run_layers(model, inputs[layer].repeat(len(chosen), 1, 1), layer, layers,
+                              tuple(p.expand(len(rows), *p.shape[1:]) for p in position_embeddings), positions)
+            nll = _token_nll(model, out, tokens.repeat(len(chosen), 1), config.ablation_from).view(len(chosen), count)
+            for g, value in zip(chosen, nll.mean(1).tolist()):
+                costs[(layer, g)] = value - base
+        if left:
+            saved()
+    return base
 
 
 @torch.no_grad()
-def ablation_costs(
+def measure_ablation(
     model,
     tokens: Tensor,
     config: AblationConfig = AblationConfig(),
     groups_per_batch: int | None = None,
     checkpoint: str | Path | None = None,
     progress: bool = True,
-) -> tuple[list[list[float]], float]:
-    """Cost of windowing each KV group alone, `[layers][kv_heads]` (NLL nats), and the base NLL.
+) -> Ablation:
+    """The costs and the greedy order of `config.ablation_rounds` rounds (module docstring).
 
     tokens `[N, T]` calibration sequences; `groups_per_batch` groups of one layer per pass
-    (default: all of the layer's groups). With `checkpoint`, each finished layer is written
-    there and a later call on the same model, tokens and settings skips it.
+    (default: all of the layer's groups). With `checkpoint`, each finished layer of a round
+    is written there and a later call on the same model, tokens and settings skips it.
     """
-    global _target
+    global _windowing
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    count, length = tokens.shape
-    _check_window(model.config, length)
-    require(config.ablation_from < length, f"--ablation-from {config.ablation_from} must be < the sequence length {length}")
-    per_batch = groups_per_batch or kv_heads
+    everything = [(l, g) for l in range(layers) for g in range(kv_heads)]
+    rounds = config.ablation_rounds
+    require(rounds <= len(everything), f"--ablation-rounds {rounds} must be <= the model's {len(everything)} KV groups")
+    _check_window(model.config, tokens.shape[1])
+    require(config.ablation_from < tokens.shape[1],
+            f"--ablation-from {config.ablation_from} must be < the sequence length {tokens.shape[1]}")
     checkpoint = Path(checkpoint) if checkpoint is not None else None
     key = _checkpoint_key(model, tokens, config)
     done = _load_checkpoint(checkpoint, key)
+
+    def saved() -> None:
+        if checkpoint is not None:
+            write_json_atomic(checkpoint, {"key": key, "costs": [
+                {"round": r, "layer": l, "kv_head": g, "cost": c}
+                for r in sorted(done) for (l, g), c in sorted(done[r].items())]})
+
+    chosen: list[Group] = []  # S_r, in replacement order
+    marginal: dict[Group, float] = {}
+    base, seconds = [], []
     previous = model.config._attn_implementation
     model.config._attn_implementation = ABLATION_ATTENTION
     try:
         model.eval()
-        positions = torch.arange(length)[None]
-        hidden = model.model.embed_tokens(tokens)
-        position_embeddings = model.model.rotary_emb(hidden, positions)
-        inputs = []  # inputs[l]: layer l's input [N, T, d]
-        for layer in range(layers):
-            inputs.append(hidden)
-            hidden = _run_layers(model, hidden, layer, layer + 1, position_embeddings, positions)
-        base = _token_nll(model, hidden, tokens, config.ablation_from).mean().item()
-        for layer in tqdm(range(layers), desc="ablation", unit="layer", disable=not progress):
-            todo = [g for g in range(kv_heads) if (layer, g) not in done]
-            for first in range(0, len(todo), per_batch):
-                chosen = todo[first:first + per_batch]
-                rows = torch.tensor(chosen).repeat_interleave(count)  # row r windows chosen[r // N]
-                _target = (layer, rows, config.ablation_window, config.ablation_sinks)
-                try:
-                    out = _run_layers(model, inputs[layer].repeat(len(chosen), 1, 1), layer, layers,
-                                      tuple(p.expand(len(rows), *p.shape[1:]) for p in position_embeddings), positions)
-                finally:
-                    _target = None
-                nll = _token_nll(model, out, tokens.repeat(len(chosen), 1), config.ablation_from).view(len(chosen), count)
-                for g, value in zip(chosen, nll.mean(1).tolist()):
-                    done[(layer, g)] = value - base
-            if checkpoint is not None and todo:
-                write_json_atomic(checkpoint, {"key": key, "costs": [
-                    {"layer": l, "kv_head": g, "cost": c} for (l, g), c in sorted(done.items())]})
+        for r in range(rounds):
+            start = time.perf_counter()
+            fixed = torch.zeros(layers, kv_heads, dtype=torch.bool)
+            for l, g in chosen:
+                fixed[l, g] = True
+            todo = [g for g in everything if g not in marginal]
+            costs = done.setdefault(r, {})
+            desc = "ablation" if rounds == 1 else f"ablation round {r + 1}/{rounds}"
+            base.append(_score_round(model, tokens, config, fixed, todo, costs, groups_per_batch or kv_heads, saved,
+                                     desc, progress))
+            seconds.append(time.perf_counter() - start)
+            take = len(todo) if r == rounds - 1 else groups_to_replace(len(everything), (r + 1) / rounds) - len(chosen)
+            for group in sorted(todo, key=lambda g: (costs[g], g))[:take]:
+                chosen.append(group)
+                marginal[group] = costs[group]
     finally:
-        _target = None
+        _windowing = None
         model.config._attn_implementation = previous
-    return [[done[(l, g)] for g in range(kv_heads)] for l in range(layers)], base
-
+    order = {g: i for i, g in enumerate(chosen)}
+    return Ablation(costs=[[done[0][(l, g)] for g in range(kv_heads)] for l in range(layers)],
+                    order=[[order[(l, g)] for g in range(kv_heads)] for l in range(layers)],
+                    marginal=[[marginal[(l, g)] for g in range(kv_heads)] for l in range(layers)],
+                    base=base, seconds=seconds)

@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"recurformer: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resumable = args.command == "run" or (args.command == "analyze" and args.scorer == "ablation")
+        resumable = args.command == "run" or (args.command == "analyze" and (args.scorer or SelectionConfig.scorer).startswith("ablation"))
         hint = "; run the same command again to continue" if resumable else ""
         print(f"recurformer: interrupted{hint}", file=sys.stderr)
         return 130

@@ -20,7 +20,7 @@ from .loading import load_any, load_converted, load_model, load_teacher, portabl
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap
 from .ablation import AblationConfig
-from .scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
+from .scoring import AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
 from .surgery import INITS, convert, parameter_report
 from .train import CHECKPOINT, TrainConfig, needs_teacher, train_stage
 
@@ -31,7 +31,7 @@ def _refuse_occupied(out: Path, hint: str) -> None:
 
 
 def ablation_checkpoint(out: str | Path) -> Path:
-    """Where `analyze --scorer ablation` keeps the groups scored so far, beside `out`."""
+    """Where `analyze --scorer ablation` (or `ablation-greedy`) keeps the groups scored so far, beside `out`."""
     out = Path(out)
     return out.with_name(out.name + ".ablation-partial.json")
 
@@ -40,12 +40,13 @@ def analyze_command(model: str, data: list[str], out: str, plot: str | None = No
                     analysis: AnalysisConfig = AnalysisConfig(), selection: SelectionConfig = SelectionConfig(),
                     ablation: AblationConfig = AblationConfig()) -> HeadScores:
     """Score every head of `model` on `data`; write the scores (and the heatmap, with the
-    groups `selection` would replace marked). With `--scorer ablation`, also each group's
-    ablation cost; an interrupted run resumes from the layers already in `ablation_checkpoint(out)`."""
+    groups `selection` would replace marked). With `--scorer ablation` (`ablation-greedy`), also
+    each group's ablation cost (and the greedy order); an interrupted run resumes from the
+    layers already in `ablation_checkpoint(out)`."""
     documents = load_documents(data)
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
-    measure = ablation if selection.scorer == "ablation" else None
+    measure = ablation_measurement(selection.scorer, ablation)
     scores = analyze_text(net, tokenizer, documents, analysis, seed=selection.seed, model_name=str(model),
                           data=[str(p) for p in data], ablation=measure, checkpoint=ablation_checkpoint(out))
     scores.save(out)

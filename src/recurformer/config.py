@@ -162,6 +162,13 @@ class MixerConfig:
         return cls(**data)
 
 
+def groups_to_replace(num_groups: int, beta: float) -> int:
+    """[ours] Rounding: `floor(beta * N + 1/2)`, the nearest integer with halves up."""
+    if not isinstance(beta, (int, float)) or math.isnan(beta) or not 0.0 <= beta <= 1.0:
+        raise ConfigError(f"beta must be in [0, 1], got {beta!r}")
+    return math.floor(beta * num_groups + 0.5)
+
+
 @dataclass
 class ReplacementSpec:
     """Which KV groups of which layers are replaced by a mixer ([ours]: the unit is a KV group,

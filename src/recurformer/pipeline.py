@@ -67,7 +67,7 @@ from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunRe
 from .mixers import MIXERS
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
-from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, analyze_text
+from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
 from .surgery import convert, parameter_report
 from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, train_stage
 
@@ -167,7 +167,7 @@ class Sizes:
     evaluation tasks size themselves (`Task.run_options`)."""
 
     analysis: AnalysisConfig = AnalysisConfig(sequences=16, seq_len=1024)
-    ablation: AblationConfig = AblationConfig()  # read only with --scorer ablation
+    ablation: AblationConfig = AblationConfig()  # read only with --scorer ablation or ablation-greedy
     train_seq_len: int = 512
     train_batch: int = 8
     # window+* kinds (the tail recipe): sequences several times the window, as many tokens per step
@@ -371,7 +371,7 @@ def _resolve(run: Run) -> dict:
 
 def _analyze(run: Run) -> dict:
     model, tokenizer = run.original
-    ablation = run.sizes.ablation if run.config.scorer == "ablation" else None
+    ablation = ablation_measurement(run.config.scorer, run.sizes.ablation)
     scores = analyze_text(model, tokenizer, run.train_documents, run.sizes.analysis, seed=run.config.seed,
                           model_name=run.config.model, data=list(run.config.data), ablation=ablation,
                           checkpoint=run.layout.ablation_checkpoint)

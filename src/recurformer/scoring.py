@@ -20,11 +20,9 @@ KV-group scores are the mean over the group's query heads.
 from __future__ import annotations
 
 import json
-import math
 import random
 import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,8 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .ablation import AblationConfig, ablation_costs, calibration_sequences
-from .config import ConfigError, ReplacementSpec, option, require
+from .ablation import Ablation, AblationConfig, calibration_sequences, measure_ablation
+from .config import ConfigError, ReplacementSpec, groups_to_replace, option, require
 from .data import check_length, token_sequences
 from .files import write_json_atomic
 from .surgery import model_fingerprint
@@ -301,11 +299,21 @@ def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig,
                      model_name=model_name, data=data)
     scores.fingerprint = model_fingerprint(model)
     if ablation is not None:
-        start = time.perf_counter()
-        costs, base = ablation_costs(model, calibration, ablation, checkpoint=checkpoint)
-        scores.groups["ablation"] = costs
-        scores.ablation = {**asdict(ablation), "base_nll": base, "seconds": time.perf_counter() - start}
+        record_ablation(scores, measure_ablation(model, calibration, ablation, checkpoint=checkpoint), ablation)
     return scores
+
+
+def record_ablation(scores: HeadScores, result: Ablation, config: AblationConfig) -> None:
+    """Put `result` into `scores`: the group statistics `ablation` (round 0's single costs) and,
+    after more than one round, `ablation_order` and `ablation_marginal`; the settings, the
+    base NLL of each round and the seconds under `scores.ablation`."""
+    scores.groups["ablation"] = result.costs
+    if config.ablation_rounds > 1:
+        scores.groups["ablation_order"] = [[float(o) for o in row] for row in result.order]
+        scores.groups["ablation_marginal"] = result.marginal
+    scores.ablation = {**asdict(config), "base_nll": result.base[0], "seconds": sum(result.seconds),
+                       **({"round_base_nll": result.base, "round_seconds": result.seconds}
+                          if config.ablation_rounds > 1 else {})}
 
 
 class Scorer:
@@ -360,7 +368,29 @@ class AblationScorer(Scorer):
         return {g: -v for g, v in scores.group_values("ablation").items()}
 
 
-SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer, AblationScorer)}
+class GreedyAblationScorer(Scorer):
+    """[ours] The order of the greedy ablation rounds (`ablation.py`): each round's cheapest
+    groups, measured with the earlier rounds' groups windowed, first."""
+
+    name = "ablation-greedy"
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        if "ablation_order" not in scores.groups:
+            raise ConfigError("these scores have no greedy ablation order; make them with "
+                              "`recurformer analyze ... --scorer ablation-greedy`")
+        return {g: -v for g, v in scores.group_values("ablation_order").items()}
+
+
+SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer, AblationScorer,
+                                                         GreedyAblationScorer)}
+
+
+def ablation_measurement(scorer: str, config: AblationConfig) -> AblationConfig | None:
+    """What `analyze_text` must measure for `scorer`: nothing, one round (`ablation`) or
+    `config.ablation_rounds` rounds (`ablation-greedy`)."""
+    if scorer == AblationScorer.name:
+        return replace(config, ablation_rounds=1)
+    return config if scorer == GreedyAblationScorer.name else None
 
 
 def make_scorer(name: str, seed: int = 0) -> Scorer:
@@ -388,13 +418,6 @@ class SelectionConfig:
 
     def select(self, scores: HeadScores) -> ReplacementSpec:
         return select_heads(scores, self.beta, make_scorer(self.scorer, self.seed))
-
-
-def groups_to_replace(num_groups: int, beta: float) -> int:
-    """[ours] Rounding: `floor(beta * N + 1/2)`, the nearest integer with halves up."""
-    if not isinstance(beta, (int, float)) or math.isnan(beta) or not 0.0 <= beta <= 1.0:
-        raise ConfigError(f"beta must be in [0, 1], got {beta!r}")
-    return math.floor(beta * num_groups + 0.5)
 
 
 def select_heads(scores: HeadScores, beta: float, scorer: Scorer | None = None) -> ReplacementSpec:
