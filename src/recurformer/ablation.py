@@ -65,8 +65,8 @@ class AblationConfig:
     greedy rounds `ablation-greedy` takes."""
 
     ablation_sequences: int = option(2, "ablation scorers: calibration sequences")
-    ablation_seq_len: int = option(1024, "ablation scorers: tokens per calibration sequence")
-    ablation_from: int = option(256, "ablation scorers: score the NLL of tokens at positions >= this")
+    ablation_seq_len: int = option(2048, "ablation scorers: tokens per calibration sequence")
+    ablation_from: int = option(1024, "ablation scorers: score the NLL of tokens at positions >= this")
     ablation_window: int = option(_WINDOW.window, "ablation scorers: the window (tokens) a group is cut to")
     ablation_sinks: int = option(_WINDOW.sinks, "ablation scorers: first tokens a windowed query still sees")
     ablation_rounds: int = option(4, "ablation-greedy scorer: rounds; round r windows the cheapest groups up to "
