@@ -176,7 +176,8 @@ def main() -> None:
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--context", type=int, default=8150)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5", help="mixer:beta,...")
+    parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,"
+                        "window+mamba2:0.5", help="mixer:beta,...")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
     parser.add_argument("--out", default=str(RESULTS), help="folder for decode_profile.json and .png")
     args = parser.parse_args()

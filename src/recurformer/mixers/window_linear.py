@@ -194,7 +194,7 @@ class WindowLinearMixer(WindowMixer):
         window_num = weights @ values.float().transpose(1, 2)  # [B, G, group, D]
         window_den = weights.sum(-1, keepdim=True)
         window_out = window_num / window_den
-        phi_q = self._phi(q.float(), per_query_head=True).reshape(batch, groups, group, -1)  # [B, G, group, F]
+        phi_q = self._phi(queries.transpose(1, 2), per_query_head=False)  # a group's queries as its keys: [B, G, group, F]
         alpha = self.log_alpha.float().exp().view(groups, group, 1)
         hybrid = (window_num + alpha * (phi_q @ tail_kv)) / (window_den + alpha * (phi_q @ tail_k[..., None]))
         out = window_out + self.gate.float().view(groups, group, 1) * (hybrid - window_out)
