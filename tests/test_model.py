@@ -6,6 +6,7 @@ from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import recurformer  # noqa: F401  (registers the Auto classes)
+from recurformer.attention import packed_decode_attention
 from recurformer.cache import HybridCache
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.modeling import UnsupportedArchitectureError
@@ -351,3 +352,17 @@ def test_crop_is_refused_once_a_mixer_state_exists(mixer):
         cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True).past_key_values
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_packed_decode_attention_equals_grouped_query_attention(masked):
+    """A KV group's query heads packed as its queries give each head's own attention."""
+    batch, heads, groups, length, dim = 3, 6, 2, 11, 8
+    q, k, v = torch.randn(batch, heads, 1, dim), torch.randn(batch, groups, length, dim), torch.randn(batch, groups, length, dim)
+    mask = torch.rand(batch, 1, 1, length) > 0.3 if masked else None
+    if masked:
+        mask[..., -1] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    out = packed_decode_attention(q, k, v, mask, 0.3)
+    assert out.shape == (batch, 1, heads, dim)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
