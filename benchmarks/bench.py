@@ -1,10 +1,10 @@
 """Cache, prefill and decode speed of SmolLM2-135M against its conversions (mamba at beta 0.5
-and 0.75, mamba2 and window at beta 0.5; untrained: speed and cache do not depend on
+and 0.75, every other mixer kind at beta 0.5; untrained: speed and cache do not depend on
 training), in one process.
 
-Writes docs/results/bench.json and docs/results/bench.png, and prints a markdown table.
+Writes bench.json and bench.png to `--out` (default docs/results), and prints a markdown table.
 
-    python benchmarks/bench.py [--contexts 512,2048,8150] [--decode-steps 32] [--rounds 3] [--variants mamba:0.5,window:0.5]
+    python benchmarks/bench.py [--contexts 512,2048,8150] [--decode-steps 32] [--rounds 3] [--variants mamba:0.5,window:0.5] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from recurformer.scoring import SelectionConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
+VARIANTS = "mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,window+mamba2:0.5"
 
 
 def main() -> None:
@@ -27,10 +28,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--contexts", default="512,2048,8150")
-    parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5", help="mixer:beta,...")
+    parser.add_argument("--variants", default=VARIANTS, help="mixer:beta,...")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="ratios are medians over rounds, with their range")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
+    parser.add_argument("--out", default=str(RESULTS), help="folder for bench.json and bench.png")
     args = parser.parse_args()
     work = Path(args.work)
     names = {}
@@ -43,7 +45,9 @@ def main() -> None:
         names[str(out)] = f"{mixer} beta {beta}"
     dirs = list(names)
     config = BenchConfig(contexts=parse_contexts(args.contexts), decode_steps=args.decode_steps, rounds=args.rounds)
-    result = bench_command(dirs, str(RESULTS / "bench.json"), config, plot=str(RESULTS / "bench.png"))
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    result = bench_command(dirs, str(folder / "bench.json"), config, plot=str(folder / "bench.png"))
 
     def spread(r: dict, key: str) -> str:
         return f"{r[key]:.2f}" + (f" ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})" if key + "_min" in r else "")

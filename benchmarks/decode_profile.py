@@ -1,12 +1,17 @@
 """Where a decode step's time goes: SmolLM2-135M against its conversions, at one long context.
 
-Times each part of one decode step with forward hooks (wall clock, summed over layers):
-the kept heads' attention including the cache update, the mixer, the MLP, the final
-norm + LM head, and the rest (embedding, layer norms, residual adds, Python overhead).
-Median over the timed steps after warm-up. Writes docs/results/decode_profile.json and
-decode_profile.png and prints a markdown table.
+Times each part of one decode step (wall clock, summed over layers): the kept heads'
+attention (q/k/v/o projections, RoPE, attention over the cache, the merge with the
+mixer's output), the replaced heads' step (`mixer.step`, with its projections), the cache
+bookkeeping (`cache.update` for the K/V, `cache.mixer_state`), the MLP, the final norm +
+LM head, and the rest (embedding, layer norms, residual adds, the mask, Python overhead).
 
-    python benchmarks/decode_profile.py [--context 8150] [--steps 24]
+Every contender is prefilled first; then the contenders take their decode steps in turn,
+one step each per round, so a change in the machine's load touches all of them alike.
+Median over the timed steps after warm-up. Writes decode_profile.json and
+decode_profile.png to `--out` (default docs/results) and prints a markdown table.
+
+    python benchmarks/decode_profile.py [--context 8150] [--steps 24] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,29 +25,33 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from recurformer.bench import new_cache  # noqa: E402
-from recurformer.commands import convert_command  # noqa: E402
-from recurformer.config import MixerConfig  # noqa: E402
-from recurformer.files import write_json_atomic  # noqa: E402
-from recurformer.loading import load_converted, load_model  # noqa: E402
-from recurformer.report import save_figure  # noqa: E402
-from recurformer.scoring import SelectionConfig  # noqa: E402
+from recurformer.bench import new_cache
+from recurformer.commands import convert_command
+from recurformer.config import MixerConfig
+from recurformer.files import write_json_atomic
+from recurformer.loading import load_converted, load_model
+from recurformer.report import save_figure
+from recurformer.scoring import SelectionConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-PARTS = ("attention (kept heads, with cache)", "mixer", "mlp", "norm + lm_head", "rest")
+ATTENTION, STEP, CACHE, MLP, HEAD, REST = (
+    "kept attention", "replaced step", "cache bookkeeping", "mlp", "norm + lm_head", "rest",
+)
+PARTS = (ATTENTION, STEP, CACHE, MLP, HEAD, REST)
 
 
 class PartTimer:
-    """Accumulates wall time of hooked modules by part name during one step."""
+    """Wall time by part during one step: forward hooks on modules, and wrappers around
+    methods that are called directly (no hooks fire), whose time is taken out of the part
+    of the module that encloses them."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.handles = []
-        self.restore = []
+        self.undo = []
 
     def watch(self, module, part: str) -> None:
         start = [0.0]
@@ -53,68 +62,112 @@ class PartTimer:
         def after(mod, args, output):
             self.seconds[part] += time.perf_counter() - start[0]
 
-        self.handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        self.undo += [handle.remove for handle in handles]
 
-    def watch_step(self, mixer, part: str, inside: str) -> None:
-        """Decoding calls `mixer.step` directly (no hooks fire): time it through a wrapper,
-        and take its time out of the enclosing module's part `inside`."""
-        step = mixer.step
+    def wrap(self, owner, method: str, part: str, inside: str) -> None:
+        """Time `owner.method` as `part`, taking its time out of `inside`."""
+        call = getattr(owner, method)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
-            result = step(*args, **kwargs)
+            result = call(*args, **kwargs)
             elapsed = time.perf_counter() - start
             self.seconds[part] += elapsed
             self.seconds[inside] -= elapsed
             return result
 
-        mixer.step = timed
-        self.restore.append(lambda: delattr(mixer, "step"))
+        setattr(owner, method, timed)
+        self.undo.append(lambda: delattr(owner, method))
+
+    def detach(self) -> None:
+        for undo in self.undo:
+            undo()
+        self.undo.clear()
 
 
-def attach(model) -> PartTimer:
+def attach(model, cache) -> PartTimer:
     timer = PartTimer()
     base = model.model
     for layer in base.layers:
         attention = layer.self_attn
-        timer.watch(attention, PARTS[0])
+        timer.watch(attention, ATTENTION)
         mixer = getattr(attention, "mixer", None)
         if mixer is not None:
-            timer.watch_step(mixer, PARTS[1], inside=PARTS[0])
-        timer.watch(layer.mlp, PARTS[2])
-    timer.watch(base.norm, PARTS[3])
-    timer.watch(model.lm_head, PARTS[3])
+            timer.wrap(mixer, "step", STEP, inside=ATTENTION)
+        timer.watch(layer.mlp, MLP)
+    for method in ("update", "mixer_state"):
+        if hasattr(cache, method):
+            timer.wrap(cache, method, CACHE, inside=ATTENTION)
+    timer.watch(base.norm, HEAD)
+    timer.watch(model.lm_head, HEAD)
     return timer
 
 
-@torch.no_grad()
-def profile(model, cache_kind: str, context: int, steps: int, warmup: int = 4) -> dict[str, float]:
-    """Median milliseconds per decode step, by part, after a prefill of `context` tokens."""
-    torch.manual_seed(0)
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, context))
-    cache = new_cache(model, cache_kind, context + warmup + steps + 8)
-    out = model(prompt, past_key_values=cache, use_cache=True)
-    token = out.logits[:, -1:].argmax(-1)
-    timer = attach(model)
-    samples = defaultdict(list)
-    for step in range(warmup + steps):
-        timer.seconds.clear()
+class Decoder:
+    """One contender: a model and its cache, prefilled with `context` random tokens, then
+    decoding greedily one timed step at a time."""
+
+    def __init__(self, model, cache_kind: str, context: int, steps: int) -> None:
+        self.model, self.position = model, context
+        vocab = model.config.get_text_config().vocab_size
+        prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+        self.cache = new_cache(model, cache_kind, context + steps + 8)
+        with torch.no_grad():
+            out = model(prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.token = out.logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def step(self) -> dict[str, float]:
+        """One decode step: milliseconds by part, and `total`."""
+        timer = attach(self.model, self.cache)
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([context + step]))
+        out = self.model(self.token, past_key_values=self.cache, use_cache=True,
+                         cache_position=torch.tensor([self.position]))
         total = time.perf_counter() - start
-        token = out.logits[:, -1:].argmax(-1)
-        if step >= warmup:
-            parts = dict(timer.seconds)
-            parts[PARTS[4]] = total - sum(parts.values())
-            for part in PARTS:
-                samples[part].append(1000 * parts.get(part, 0.0))
-            samples["total"].append(1000 * total)
-    for handle in timer.handles:
-        handle.remove()
-    for undo in timer.restore:
-        undo()
-    return {part: statistics.median(values) for part, values in samples.items()}
+        timer.detach()
+        self.token, self.position = out.logits[:, -1:].argmax(-1), self.position + 1
+        parts = {part: 1000 * timer.seconds.get(part, 0.0) for part in PARTS[:-1]}
+        parts[REST] = 1000 * total - sum(parts.values())
+        parts["total"] = 1000 * total
+        return parts
+
+
+def profile(contenders: dict, context: int, steps: int, warmup: int = 4, progress=print) -> dict[str, dict[str, float]]:
+    """`name -> (model, cache kind)`: median milliseconds per decode step by part, the
+    contenders' steps interleaved (one each per round)."""
+    decoders = {}
+    for name, (model, kind) in contenders.items():
+        progress(f"prefilling {name} with {context} tokens")
+        decoders[name] = Decoder(model, kind, context, warmup + steps)
+    samples: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in decoders}
+    for round in range(warmup + steps):
+        for name, decoder in decoders.items():
+            parts = decoder.step()
+            if round >= warmup:
+                for part, ms in parts.items():
+                    samples[name][part].append(ms)
+    return {name: {part: statistics.median(values) for part, values in by_part.items()} for name, by_part in samples.items()}
+
+
+def plot(rows: dict, context: int, steps: int, path: Path) -> None:
+    figure, axis = plt.subplots(figsize=(8, 3.8))
+    left = [0.0] * len(rows)
+    for part in PARTS:
+        values = [rows[name][part] for name in rows]
+        axis.barh(list(rows), values, left=left, label=part)
+        left = [a + b for a, b in zip(left, values)]
+    axis.invert_yaxis()
+    axis.set_xlabel(f"ms per decode step at {context} tokens (median of {steps})")
+    axis.legend(fontsize=7, loc="lower right")
+    save_figure(figure, path)
+
+
+def table(rows: dict) -> str:
+    lines = ["| model | total ms | " + " | ".join(PARTS) + " |", "|---|---|" + "---|" * len(PARTS)]
+    for name, row in rows.items():
+        lines.append(f"| {name} | {row['total']:.1f} | " + " | ".join(f"{row[p]:.1f}" for p in PARTS) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -123,10 +176,12 @@ def main() -> None:
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--context", type=int, default=8150)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5", help="mixer:beta,...")
+    parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,"
+                        "window+mamba2:0.5", help="mixer:beta,...")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
+    parser.add_argument("--out", default=str(RESULTS), help="folder for decode_profile.json and .png")
     args = parser.parse_args()
-    original = load_model(args.model)[0]
+    original = load_model(args.model)[0].eval()
     contenders = {"original (DynamicCache)": (original, "dynamic"), "original (StaticCache)": (original, "static")}
     for variant in args.variants.split(","):
         mixer, beta = variant.split(":")
@@ -135,28 +190,15 @@ def main() -> None:
             convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta)), MixerConfig(kind=mixer),
                             force=True)
         contenders[f"{mixer} beta {beta}"] = (load_converted(str(out))[0].eval(), "hybrid")
-    rows = {}
-    for name, (model, kind) in contenders.items():
-        print(f"profiling {name} at {args.context} tokens", flush=True)
-        rows[name] = profile(model, kind, args.context, args.steps)
-    write_json_atomic(RESULTS / "decode_profile.json", {
+    rows = profile(contenders, args.context, args.steps, progress=lambda line: print(line, flush=True))
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / "decode_profile.json", {
         "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(), "unit": "ms per decode step (median)",
         "rows": rows,
     })
-    figure, axis = plt.subplots(figsize=(8, 3.8))
-    left = [0.0] * len(rows)
-    for part in PARTS:
-        values = [rows[name][part] for name in rows]
-        axis.barh(list(rows), values, left=left, label=part)
-        left = [a + b for a, b in zip(left, values)]
-    axis.invert_yaxis()
-    axis.set_xlabel(f"ms per decode step at {args.context} tokens (median of {args.steps})")
-    axis.legend(fontsize=7, loc="lower right")
-    save_figure(figure, RESULTS / "decode_profile.png")
-    print("| model | total ms | " + " | ".join(PARTS) + " |")
-    print("|---|---|" + "---|" * len(PARTS))
-    for name, row in rows.items():
-        print(f"| {name} | {row['total']:.1f} | " + " | ".join(f"{row[p]:.1f}" for p in PARTS) + " |")
+    plot(rows, args.context, args.steps, folder / "decode_profile.png")
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import recurformer  # noqa: F401  (registers the Auto classes)
+from recurformer.attention import packed_decode_attention
 from recurformer.cache import HybridCache
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.modeling import UnsupportedArchitectureError
@@ -298,6 +299,51 @@ def test_kv_buffers_grow_by_blocks():
     assert sizes["total"] == sizes["kv"] + sizes["mixer_state"]
 
 
+def storage(cache, kv: bool = True) -> list[int]:
+    """The data address of every mixer-state tensor of `cache` and (`kv`) every K/V buffer."""
+    tensors = []
+    for layer in cache.layers:
+        tensors += [*(layer.mixer_state or {}).values(), *((layer._key_buffer, layer._value_buffer) if kv else ())]
+    return [t.data_ptr() for t in tensors]
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_decode_steps_write_into_the_buffers_they_have(mixer):
+    """Within the reserved block a decode step neither reallocates nor concatenates: every
+    buffer and state tensor keeps its storage, and `keys` is a view of the K/V buffer. The
+    step past the block grows the K/V buffers, and only them."""
+    model = tiny_model("llama")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
+    with torch.no_grad():
+        cache = converted(torch.randint(0, 97, (2, 250)), use_cache=True).past_key_values
+        before, state = storage(cache), storage(cache, kv=False)
+        for _ in range(6):  # 250 + 6 = 256 tokens: the first block, full
+            converted(torch.randint(0, 97, (2, 1)), past_key_values=cache, use_cache=True)
+        assert storage(cache) == before
+        layer = next(layer for layer in cache.layers if layer.keys.shape[1] > 0)
+        assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer.keys.shape[-2] == 256
+        converted(torch.randint(0, 97, (2, 1)), past_key_values=cache, use_cache=True)
+    assert storage(cache, kv=False) == state
+    assert layer._key_buffer.shape[-2] == 512 and layer.keys.shape[-2] == 257
+
+
+@pytest.mark.parametrize("mixer", ["mamba", "window+linear"])
+def test_beam_reorder_permutes_rows_in_place(mixer):
+    model = tiny_model("llama")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
+    with torch.no_grad():
+        cache = converted(torch.randint(0, 97, (3, 20)), use_cache=True).past_key_values
+    before = storage(cache)
+    rows = [(layer.keys.clone(), {k: t.clone() for k, t in layer.mixer_state.items()}) for layer in cache.layers]
+    order = torch.tensor([2, 0, 0])
+    cache.reorder_cache(order)
+    assert storage(cache) == before
+    for layer, (keys, state) in zip(cache.layers, rows):
+        assert torch.equal(layer.keys, keys[order])
+        for name, t in state.items():
+            assert torch.equal(layer.mixer_state[name], t[order]), name
+
+
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_crop_is_refused_once_a_mixer_state_exists(mixer):
     model = tiny_model("llama")
@@ -306,3 +352,17 @@ def test_crop_is_refused_once_a_mixer_state_exists(mixer):
         cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True).past_key_values
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_packed_decode_attention_equals_grouped_query_attention(masked):
+    """A KV group's query heads packed as its queries give each head's own attention."""
+    batch, heads, groups, length, dim = 3, 6, 2, 11, 8
+    q, k, v = torch.randn(batch, heads, 1, dim), torch.randn(batch, groups, length, dim), torch.randn(batch, groups, length, dim)
+    mask = torch.rand(batch, 1, 1, length) > 0.3 if masked else None
+    if masked:
+        mask[..., -1] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    out = packed_decode_attention(q, k, v, mask, 0.3)
+    assert out.shape == (batch, 1, heads, dim)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)

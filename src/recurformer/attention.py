@@ -12,12 +12,29 @@ the output is `o_proj(cat(attention_of_kept_heads, mixer_output))`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from .config import ConfigError, MixerConfig
 from .mixers import HeadShape, build_mixer
+
+
+def packed_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+    """One decode step's attention, each K/V head read once: q `[B, Hq, 1, D]`, k and v
+    `[B, Hkv, T, D]`, mask None or `[B, 1, 1, T]` (bool or additive) -> `[B, 1, Hq, D]`.
+
+    [ours] The `Hq / Hkv` query heads of a KV group become that group's queries (`[B, Hkv,
+    Hq / Hkv, D]`, a plain multi-query attention). transformers passes decode steps without
+    a mask to SDPA with `enable_gqa`, whose CPU kernel reads each K/V head once per query
+    head: twice the time at 3 query heads per group, on what is the largest part of a
+    long-context decode step (docs/results/bench.md).
+    """
+    batch, heads, _, dim = q.shape
+    groups = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(batch, groups, heads // groups, dim), k, v, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, 1, heads, dim)
 
 
 class HybridAttention(nn.Module):
@@ -101,14 +118,17 @@ class HybridAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             if past_key_values is not None:
                 k, v = past_key_values.update(k, v, self.layer_idx)
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-            out, weights = interface(
-                self, q, k, v, attention_mask,
-                dropout=self.attention_dropout if self.training else 0.0,
-                scaling=self.scaling,
-                sliding_window=self.sliding_window,
-                **kwargs,
-            )
+            if self._packs_decode(length, attention_mask, kwargs):
+                out = packed_decode_attention(q, k, v, attention_mask, self.scaling)
+            else:
+                interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+                out, weights = interface(
+                    self, q, k, v, attention_mask,
+                    dropout=self.attention_dropout if self.training else 0.0,
+                    scaling=self.scaling,
+                    sliding_window=self.sliding_window,
+                    **kwargs,
+                )
             parts.append(out.reshape(batch, length, -1))
         elif past_key_values is not None:
             # No kept heads: store nothing, but let the cache count the tokens.
@@ -117,6 +137,17 @@ class HybridAttention(nn.Module):
         if self.mixer is not None:
             parts.append(self._mix(hidden_states, past_key_values, padding_mask, position_embeddings))
         return self.o_proj(torch.cat(parts, dim=-1)), weights
+
+    def _packs_decode(self, length: int, attention_mask: Tensor | None, kwargs: dict) -> bool:
+        """Whether this call is a decode step `packed_decode_attention` computes exactly as
+        SDPA would: one query, SDPA, no attention weights asked for, a mask shared by all heads."""
+        return (
+            length == 1
+            and not self.training
+            and self.config._attn_implementation == "sdpa"
+            and not kwargs.get("output_attentions")
+            and (attention_mask is None or attention_mask.shape[1] == 1)
+        )
 
     def _mix(self, hidden_states: Tensor, past_key_values, padding_mask: Tensor | None, position_embeddings) -> Tensor:
         batch, length = hidden_states.shape[:2]

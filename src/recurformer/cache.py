@@ -18,9 +18,14 @@ from .mixers import Mixer, MixerState
 class HybridLayer(DynamicLayer):
     """One decoder layer's cache: a growing K/V for kept heads and a fixed-size mixer state.
 
-    [ours] K/V live in buffers that grow by blocks of `BLOCK` tokens, so appending a token
-    writes one slot instead of copying the whole cache (what `torch.cat` in transformers'
-    `DynamicLayer` does at every step). `keys`/`values` are views of the filled part.
+    [ours] A decode step allocates and concatenates nothing here. K/V live in buffers
+    `[B, kept_kv_heads, capacity, D]` of which the first `tokens` slots are filled;
+    appending a token writes its slot in place (transformers' `DynamicLayer` concatenates,
+    copying the whole cache at every step), and `keys`/`values` are views of the filled
+    part. When the buffers are full they grow to the next multiple of `BLOCK` tokens: one
+    copy of the cache every `BLOCK` tokens, and at most `BLOCK - 1` empty slots reserved
+    (`nbytes()["kv_reserved"]`). The mixer state is updated in place by the mixer. Beam
+    search reorders the rows of both in place.
     """
 
     BLOCK = 256
@@ -42,9 +47,13 @@ class HybridLayer(DynamicLayer):
             self._grow(key_states)
         self._key_buffer[:, :, start:self.tokens] = key_states
         self._value_buffer[:, :, start:self.tokens] = value_states
+        self._view()
+        return self.keys, self.values
+
+    def _view(self) -> None:
+        """`keys`/`values`: the filled part of the buffers."""
         self.keys = self._key_buffer[:, :, : self.tokens]
         self.values = self._value_buffer[:, :, : self.tokens]
-        return self.keys, self.values
 
     def _grow(self, like: Tensor) -> None:
         capacity = -(-self.tokens // self.BLOCK) * self.BLOCK
@@ -57,8 +66,8 @@ class HybridLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = keys, values
 
     def _adopt(self) -> None:
-        """After an operation that replaced `keys`/`values` (beam reorder, batch select),
-        make them the buffers again."""
+        """After an operation that replaced `keys`/`values` by new tensors of another batch
+        size (`batch_repeat_interleave`, `batch_select_indices`), make them the buffers."""
         if self.keys is not None and self.keys.dim() == 4:
             self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
             self._key_buffer, self._value_buffer = self.keys, self.values
@@ -76,17 +85,21 @@ class HybridLayer(DynamicLayer):
         if tokens_to_remove != 0 and self.mixer_state is not None:
             raise ValueError("a recurrent mixer state cannot be rolled back: HybridCache does not support crop()")
         super().crop(tokens_to_remove)
-        self.tokens = max(0, self.tokens - abs(tokens_to_remove))
-        self._adopt()
+        if self._key_buffer is not None:
+            self.tokens = max(0, self.tokens - abs(tokens_to_remove))
+            self._view()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i becomes row `beam_idx[i]`, in the same buffers and state tensors."""
+        tensors = [*(self.mixer_state or {}).values()]
+        if self._key_buffer is not None:
+            tensors += [self.keys, self.values]
+        for t in tensors:
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def _map_state(self, fn) -> None:
         if self.mixer_state is not None:
             self.mixer_state = {name: fn(t) for name, t in self.mixer_state.items()}
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._adopt()
-        self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)

@@ -151,18 +151,21 @@ class WindowMixer(Mixer):
         return out, keys, values, index
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
-        """One token, written into its ring slot in place, then attending over the buffer."""
+        """One token, written into its ring slot in place, then attending over the buffer;
+        each KV group's query heads are that group's queries (`[B, G, H / G, D]`), so no key
+        or value is repeated per head."""
         batch = x.shape[0]
         q, k, v = self._project(x[:, None], position_embeddings)
-        position = state["index"].max(dim=-1).values + 1  # [B]
+        keys, values, index = state["keys"], state["values"], state["index"]
+        position = index.max(dim=-1).values + 1  # [B]
         rows, slot = torch.arange(batch, device=x.device), self._slots(position)
-        state["keys"][rows, slot] = k[:, 0].to(state["keys"].dtype)
-        state["values"][rows, slot] = v[:, 0].to(state["values"].dtype)
-        state["index"][rows, slot] = position
+        keys[rows, slot] = k[:, 0].to(keys.dtype)
+        values[rows, slot] = v[:, 0].to(values.dtype)
+        index[rows, slot] = position
         # After the write the buffer holds exactly the tokens this query may see.
-        visible = (state["index"] >= 0)[:, None, None, :]  # [B, 1, 1, S]
+        queries = q.reshape(batch, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q, state["keys"].transpose(1, 2).to(q.dtype), state["values"].transpose(1, 2).to(q.dtype),
-            attn_mask=visible, scale=self.scaling, enable_gqa=True,
+            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=(index >= 0)[:, None, None, :], scale=self.scaling,
         )
         return out.reshape(batch, self.d_out)

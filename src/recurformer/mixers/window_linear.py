@@ -165,5 +165,37 @@ class WindowLinearMixer(WindowMixer):
         return out, keys, values, index, tail_kv, tail_k
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
-        """One token: a block of length one."""
-        return self.forward(x[:, None], state, None, position_embeddings)[:, 0]
+        """One token, its block of length one written in place: the token leaving the window
+        (the one in the ring slot this token takes) enters the tail sums, this token takes
+        its slot, then the query attends over the ring and reads the sums. Each KV group's
+        `group` query heads are one `[group, D]` matrix, so no K/V or sum is repeated per head."""
+        batch = x.shape[0]
+        q, k, v = self._project(x[:, None], position_embeddings)  # [B, H, 1, D], [B, 1, G, D] twice
+        keys, values, index = state["keys"], state["values"], state["index"]
+        rows = torch.arange(batch, device=x.device)
+        position = index.max(dim=-1).values + 1  # [B]
+        slot = self._slots(position)
+        leaving = (index[rows, slot] >= self.sinks).to(torch.float32)[:, None, None, None]  # [B, 1, 1, 1]
+        leaving_keys = self._phi(keys[rows, slot].float()[:, None], per_query_head=False) * leaving  # [B, G, 1, F]
+        tail_kv, tail_k = state["tail_kv"].float(), state["tail_k"].float()  # the state itself when fp32
+        tail_kv.add_(leaving_keys.transpose(-1, -2) * values[rows, slot].float()[:, :, None])  # [B, G, F, D]
+        tail_k.add_(leaving_keys[:, :, 0])
+        state["tail_kv"].copy_(tail_kv)  # no-ops for an fp32 state
+        state["tail_k"].copy_(tail_k)
+        keys[rows, slot] = k[:, 0].to(keys.dtype)
+        values[rows, slot] = v[:, 0].to(values.dtype)
+        index[rows, slot] = position
+
+        groups, group, dim = self.n_kv_heads, self.group, self.head_dim
+        queries = q.float().reshape(batch, groups, group, dim)
+        scores = (queries @ keys.float().permute(0, 2, 3, 1)) * self.scaling  # [B, G, group, S]
+        scores = scores.masked_fill((index < 0)[:, None, None], float("-inf"))
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        window_num = weights @ values.float().transpose(1, 2)  # [B, G, group, D]
+        window_den = weights.sum(-1, keepdim=True)
+        window_out = window_num / window_den
+        phi_q = self._phi(queries.transpose(1, 2), per_query_head=False)  # a group's queries as its keys: [B, G, group, F]
+        alpha = self.log_alpha.float().exp().view(groups, group, 1)
+        hybrid = (window_num + alpha * (phi_q @ tail_kv)) / (window_den + alpha * (phi_q @ tail_k[..., None]))
+        out = window_out + self.gate.float().view(groups, group, 1) * (hybrid - window_out)
+        return out.reshape(batch, self.d_out).to(x.dtype)
