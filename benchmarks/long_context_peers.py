@@ -170,6 +170,14 @@ def variant(name: str, original, scores: str, ablation_scores: str) -> Variant:
                    scores, "recency", 1.0, window)
 
 
+def trained_label(model, folder: str) -> str:
+    """'window+mamba2 (64 + 4 sinks), 45 of 90 groups, trained: FOLDER'."""
+    mixer, spec = model.config.mixer, model.config.replacement
+    groups = spec["num_layers"] * spec["num_kv_heads"]
+    return (f"{mixer['kind']} ({mixer['window']} + {mixer['sinks']} sinks), {len(spec['groups'])} of {groups} "
+            f"groups, trained: `{folder}`")
+
+
 def load_results(path: Path, digest: str) -> dict:
     if not path.exists():
         return {"schema": SCHEMA, "problems": digest, "rows": {}}
@@ -210,7 +218,7 @@ def main() -> None:
             model, record = original, {"label": "original (full cache)"}
         elif name in models:
             model, _ = load_any(models[name])
-            record = {"label": f"{name} ({models[name]})", "folder": models[name]}
+            record = {"label": trained_label(model, models[name]), "folder": models[name]}
         else:
             row = variant(name, original, args.scores, args.ablation_scores)
             model = row.build(original)
