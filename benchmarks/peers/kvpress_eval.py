@@ -1,0 +1,197 @@
+"""kvpress's presses on the equal-cache problem set, measured as our rows are (docs/results/long-context.md,
+"Peers at equal cache bytes").
+
+Runs in the peers' own virtual environment (`benchmarks/peers/README.md`) and does not import
+recurformer: kvpress 0.5.5 needs transformers < 5.3, recurformer's environment has a newer one.
+It reads the problem set (`benchmarks/long_context_problems.py`: token ids, so every row gets
+the same problems) and our rows' JSON (`benchmarks/long_context_peers.py`: the cache bytes to
+match), and measures each press as `long_context_peers.py` measures our rows:
+
+- loss: prefill `prefix` tokens with the press on (the cache is compressed after each layer),
+  then score the next-token predictions of the `scored` tokens after them with that cache, in
+  one forward pass at positions `prefix ...`, press off;
+- cache bytes: the compressed keys and values after a prefill, press on, of the first held-out
+  sequence's first 8,192 tokens;
+- passkey: prefill the context with the press on, then the question (not compressed) at its
+  positions and 8 greedy tokens, as kvpress's pipeline does (without its chat template: our
+  prompt format is the same for every row).
+
+A press removes the fraction `compression_ratio` of every layer's and head's tokens; it is set
+so that the press keeps `n` tokens of an 8,192-token prefill, `n * bytes per token` being the
+cache bytes of our row named by `--match` (e.g. `window64-b0.5`). Rows already in `--out` are
+kept, not recomputed.
+
+    /work/peers-venv/bin/python benchmarks/peers/kvpress_eval.py --match window64-b0.5,window64-b0.75
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from kvpress import ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RESULTS = ROOT / "docs" / "results" / "long-context"
+SCHEMA = "recurformer-long-context-rows/1"
+PRESSES = {  # name -> (label, press class); every press with its defaults but the ratio
+    "snapkv": ("SnapKV", SnapKVPress),
+    "expected-attention": ("ExpectedAttention", ExpectedAttentionPress),
+    "knorm": ("Knorm", KnormPress),
+    "streaming-llm": ("StreamingLLM", StreamingLLMPress),
+}
+BYTES_TOKENS = 8192
+ANSWER_TOKENS = 8
+LOGIT_CHUNK = 512
+
+
+def cache_sizes(cache: DynamicCache) -> dict:
+    """Bytes of the keys and values a cache holds (each storage once, for the reserved bytes)."""
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    reserved = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return {"tokens": cache.get_seq_length(), "kv_bytes": held, "kv_reserved_bytes": reserved, "state_bytes": 0,
+            "cache_bytes": reserved}
+
+
+@torch.no_grad()
+def prefilled_nll(model, press, sequence: torch.Tensor, prefix: int) -> torch.Tensor:
+    """NLL (nats) `[T - prefix - 1]` of tokens `prefix + 1 ...` of `sequence` `[T]`, predicted
+    with the cache the press left after prefilling the first `prefix` tokens."""
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=sequence[None, :prefix], past_key_values=cache)
+    rest = sequence[prefix:-1]
+    positions = torch.arange(prefix, prefix + len(rest))[None]
+    hidden = model.model(input_ids=rest[None], past_key_values=cache, position_ids=positions).last_hidden_state[0]
+    targets = sequence[prefix + 1:]
+    nll = torch.empty(len(rest))
+    for start in range(0, len(rest), LOGIT_CHUNK):
+        part = slice(start, start + LOGIT_CHUNK)
+        nll[part] = F.cross_entropy(model.lm_head(hidden[part]).float(), targets[part], reduction="none")
+    return nll
+
+
+@torch.no_grad()
+def greedy_answer(model, press, ids: list[int], question_start: int) -> list[int]:
+    """Prefill the context `ids[:question_start]` with the press on, feed the question at its
+    positions, then greedy tokens: the answer's `ANSWER_TOKENS` ids."""
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=torch.tensor(ids[:question_start])[None], past_key_values=cache)
+    position, step, answer = question_start, torch.tensor(ids[question_start:])[None], []
+    while len(answer) < ANSWER_TOKENS:
+        positions = torch.arange(position, position + step.shape[1])[None]
+        logits = model(input_ids=step, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+        answer.append(int(logits[0, -1].argmax()))
+        position += step.shape[1]
+        step = torch.tensor([[answer[-1]]])
+    return answer
+
+
+def measure(model, tokenizer, press, problems: dict) -> dict:
+    """Loss per text, cache bytes at 8K and passkey completions of the press on `problems`."""
+    loss = {}
+    for text, entry in problems["loss"].items():
+        values = torch.cat([prefilled_nll(model, press, torch.tensor(s), problems["prefix"])
+                            for s in entry["sequences"]]).double()
+        loss[text] = {"file": entry["file"], "tokens": len(values), "nll": values.mean().item()}
+        print(f"  {text}: nll {loss[text]['nll']:.4f}", flush=True)
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        first = problems["loss"]["heldout"]["sequences"][0][:BYTES_TOKENS]
+        model.model(input_ids=torch.tensor(first)[None], past_key_values=cache)
+    passkey = []
+    for problem in problems["passkey"]:
+        answer = greedy_answer(model, press, problem["ids"], problem["question_start"])
+        passkey.append({"context": problem["context"], "depth": problem["depth"], "answer": problem["answer"],
+                        "completion": tokenizer.decode(answer, skip_special_tokens=True)})
+        print(f"  passkey {problem['context']} @ {problem['depth']}: {passkey[-1]['completion']!r} "
+              f"(key {problem['answer']})", flush=True)
+    return {"cache": cache_sizes(cache), "loss": loss, "passkey": passkey}
+
+
+def bytes_per_token(model) -> int:
+    """K/V bytes one token costs in an uncompressed cache: every layer's keys and values."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * model.dtype.itemsize
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: {what} {path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"error: {what} {path} is not JSON ({error})") from None
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary file beside `path`, then rename it into place (recurformer.files's rule)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(handle, "w") as out:
+        json.dump(data, out, indent=1)
+    os.replace(temporary, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", default=str(ROOT / "runs" / "long-context-problems.json"))
+    parser.add_argument("--ours", default=str(RESULTS / "peers-ours.json"), help="our rows (the bytes to match)")
+    parser.add_argument("--match", default="window64-b0.5,window64-b0.75", help="our rows whose cache bytes to match")
+    parser.add_argument("--presses", default="snapkv,expected-attention,knorm", help=", ".join(PRESSES))
+    parser.add_argument("--model", default="/root/.cache/recurformer/models/smollm2-135m", help="a HF model folder")
+    parser.add_argument("--out", default=str(RESULTS / "peers-kvpress.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    presses = [name for name in args.presses.split(",") if name]
+    unknown = [name for name in presses if name not in PRESSES]
+    if unknown:
+        raise SystemExit(f"error: --presses: unknown {unknown}; choose from {', '.join(PRESSES)}")
+    problems = read_json(Path(args.problems), "problem set")
+    ours = read_json(Path(args.ours), "our rows")
+    if ours.get("problems") != problems["digest"]:
+        raise SystemExit(f"error: {args.ours} was made on problem set {ours.get('problems')}, not {problems['digest']}")
+    out = Path(args.out)
+    results = read_json(out, "results") if out.exists() else {"schema": SCHEMA, "problems": problems["digest"],
+                                                                "rows": {}}
+    if results.get("problems") != problems["digest"]:
+        raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+    results["versions"] = {name: version(name) for name in ("kvpress", "transformers", "torch")}
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    per_token = bytes_per_token(model)
+    for match in (name for name in args.match.split(",") if name):
+        if match not in ours["rows"]:
+            raise SystemExit(f"error: --match {match}: no such row in {args.ours} (rows: {', '.join(ours['rows'])})")
+        target = ours["rows"][match]["cache"]["cache_bytes"]
+        keep = round(target / per_token)
+        ratio = 1 - (keep + 0.5) / BYTES_TOKENS  # kvpress keeps int(tokens * (1 - ratio)) = `keep` of 8,192
+        for name in presses:
+            row = f"{name}@{match}"
+            if row in results["rows"]:
+                print(f"{row}: already in {out}, kept", flush=True)
+                continue
+            label, press_class = PRESSES[name]
+            print(row, f"compression_ratio {ratio:.5f}", flush=True)
+            record = measure(model, tokenizer, press_class(compression_ratio=ratio), problems)
+            results["rows"][row] = {"method": "kvpress", "label": f"kvpress {label}, compression {ratio:.3f} "
+                                    f"(the bytes of {match})", "press": press_class.__name__, "match": match,
+                                    "compression_ratio": ratio, **record}
+            write_json_atomic(out, results)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

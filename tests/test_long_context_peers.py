@@ -1,0 +1,57 @@
+"""The equal-cache comparison's measures (`benchmarks/long_context_peers.py`) on tiny random
+models: a prefilled cache scores the next tokens as the full forward does, and the greedy
+answer after a context and a question is `generate`'s."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model
+
+from recurformer import convert
+from recurformer.evaluate.ppl_by_distance import position_nll
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context_peers.py"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling window_equal_cache, as when it runs
+    try:
+        spec = importlib.util.spec_from_file_location("long_context_peers", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def models():
+    original = tiny_model("llama")
+    yield "original", original
+    for kind in ("window", "window+mamba2"):
+        yield kind, open_gates(convert(original, spec_for(original, 0.5), MIXERS[kind]))
+    yield "all windowed", convert(original, spec_for(original, 1.0), MIXERS["window"])
+
+
+@pytest.mark.parametrize("name, model", list(models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_prefilled_loss_is_the_full_forward_loss(peers, name, model):
+    sequence = torch.randint(0, 97, (61,), generator=torch.Generator().manual_seed(1))
+    prefix = 37  # past the tiny window (16 + 2 sinks), so the ring buffer has wrapped
+    cache = peers.fresh_cache(model)
+    nll = peers.prefilled_nll(model, sequence, prefix, cache)
+    full = position_nll(model, sequence)[prefix:]
+    assert nll.shape == (len(sequence) - prefix - 1,)
+    torch.testing.assert_close(nll, full, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == len(sequence) - 1
+
+
+@pytest.mark.parametrize("name, model", list(models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_greedy_answer_is_generate(peers, name, model):
+    ids = torch.randint(0, 97, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    answer = peers.greedy_answer(model, ids, 40, peers.fresh_cache(model), new_tokens=5)
+    generated = model.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert answer == generated[0, len(ids):].tolist()
