@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="comma-separated training-free rows (module docstring)")
     parser.add_argument("--model", action="append", default=[], metavar="NAME=DIR", help="a converted model folder")
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
-    parser.add_argument("--ablation-scores", default=str(RESULTS / "smollm2-135m-ablation-scores.json"))
+    parser.add_argument("--ablation-scores", default=str(RESULTS / "smollm2-135m-ablation-2048-scores.json"))
     parser.add_argument("--out", default=str(RESULTS / "long-context" / "peers-ours.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
