@@ -103,15 +103,23 @@ def test_fixed_steps_replace_the_time_budget(texts, tmp_path):
 
 def test_learning_rates_reach_the_training_stages(texts, tmp_path):
     train, held_out = texts
-    default = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
-    chosen = Run(RunConfig(data=train, eval_data=held_out, lr=(2e-3, 2e-4)), tmp_path / "b")
-    assert [default.train_config(stage, 1).lr for stage in ("transfer", "lm")] == [5e-3, 1e-3]
+    mamba = Run(RunConfig(data=train, eval_data=held_out, mixer="mamba"), tmp_path / "a")
+    chosen = Run(RunConfig(data=train, eval_data=held_out, mixer="mamba", lr=(2e-3, 2e-4)), tmp_path / "b")
+    assert [mamba.train_config(stage, 1).lr for stage in ("transfer", "lm")] == [5e-3, 1e-3]
     mamba2 = Run(RunConfig(data=train, eval_data=held_out, mixer="mamba2"), tmp_path / "c")
     assert mamba2.train_config("lm", 1).lr == 2e-4
     assert [chosen.train_config(stage, 1).lr for stage in ("transfer", "lm")] == [2e-3, 2e-4]
     assert chosen.train_config("lm", 1).trainable == "mixers+lora"
-    lm = default.train_config("lm", 1)  # 8 x 512 tokens per step, in micro-batches of 1,024 tokens
+    lm = mamba.train_config("lm", 1)  # 8 x 512 tokens per step, in micro-batches of 1,024 tokens
     assert (lm.batch_size, lm.seq_len, lm.grad_accum) == (8, 512, 4)
+
+
+def test_the_default_run_trains_a_window_with_a_recurrent_tail_by_the_tail_recipe(texts, tmp_path):
+    train, held_out = texts
+    run = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
+    assert run.config.mixer == "window+mamba2" and run.tail_recipe
+    lm = run.train_config("lm", 1)  # 4 x 1,024 tokens, KL to the original alone, one sequence per micro-batch
+    assert (lm.trainable, lm.ce_weight, lm.lr, lm.batch_size, lm.seq_len, lm.grad_accum) == ("tail", 0.0, 2e-4, 4, 1024, 4)
 
 
 def test_cli_steps_must_be_a_pair(texts, tmp_path, capsys):
@@ -327,3 +335,10 @@ def test_a_new_process_takes_a_stage_model_from_its_directory(texts, tmp_path):
     saved = dict(first.converted("converted").named_parameters())
     taken = Run(config, tmp_path / "run").converted("converted", take=True)
     assert all(torch.equal(p, saved[name]) for name, p in taken.named_parameters())
+
+
+def test_the_report_names_the_recipe_the_mixer_was_trained_by():
+    from recurformer.report import recipe_text
+
+    assert "LoRA adapters" in recipe_text("mamba") and "tail recipe" not in recipe_text("window")
+    assert "KL divergence to the original model's predictions alone" in recipe_text("window+mamba2")

@@ -103,7 +103,9 @@ class RunConfig:
                                  "--data, evaluation only)", metavar="FILE",
                                  factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA))
     beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
-    mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md)")
+    # [ours] not the paper's `mamba`: at equal training a window with a recurrent tail, trained
+    # by the tail recipe, ends closest to the original (docs/results/mixers.md, README)
+    mixer: str = option("window+mamba2", "mixer kind (docs/mixers.md)")
     scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
     budget_minutes: float = option(25.0, "training time of both stages together")
     steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "

@@ -15,6 +15,7 @@ from .bench import median_measurements  # noqa: E402
 from .config import ReplacementSpec  # noqa: E402
 from .files import atomic_file  # noqa: E402
 from .metrics import Metric, Row, mib, render_rows  # noqa: E402
+from .mixers import MIXERS  # noqa: E402
 from .scoring import HeadScores  # noqa: E402
 
 
@@ -108,6 +109,19 @@ def distance_table(by_distance: dict[str, dict]) -> list[str]:
     return lines
 
 
+def recipe_text(mixer: str) -> str:
+    """What the two training stages of a run of `mixer` did (docs/training.md)."""
+    if MIXERS[mixer].has_tail:
+        return ("The tail recipe: the window keeps the heads' own projections, and only the recurrent tail and its "
+                "gate train. The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it "
+                "replaced (mean squared error on sequences longer than the window, the rest of the model frozen); the "
+                "`lm` stage trains the tails end to end on the KL divergence to the original model's predictions "
+                "alone, which recovers the original instead of adapting to the training text.")
+    return ("The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced (mean "
+            "squared error, the rest of the model frozen); the `lm` stage trains the mixers and LoRA adapters on "
+            "next-token loss plus the KL divergence to the original model's predictions.")
+
+
 def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], config: dict, bench: dict,
                       evaluation: dict) -> str:
     """The Markdown report of a run: the summary table (`rows` over the `metrics` values,
@@ -148,9 +162,7 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.3f} {ood_cells}")
     lines += [
         "",
-        "The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced "
-        "(mean squared error, the rest of the model frozen); the `lm` stage trains the mixers and LoRA adapters "
-        "on next-token loss plus the KL divergence to the original model's predictions.",
+        recipe_text(m["mixer"]),
         "",
         "![loss](loss.png)",
         "",
