@@ -2,31 +2,20 @@
 models: a prefilled cache scores the next tokens as the full forward does, and the greedy
 answer after a context and a question is `generate`'s."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import benchmark_script
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 
 from recurformer import convert
 from recurformer.evaluate.ppl_by_distance import position_nll
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context_peers.py"
-
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling window_equal_cache, as when it runs
-    try:
-        spec = importlib.util.spec_from_file_location("long_context_peers", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    with benchmark_script("long_context_peers") as module:
         yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
 
 
 def models():

@@ -1,23 +1,17 @@
 """The equal-cache table's reader (`benchmarks/long_context_table.py`): a missing or malformed
 rows file fails with one line naming it; good files render one line per row, scored alike."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "long_context_table.py"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("long_context_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_script("long_context_table") as module:
+        yield module
 
 
 def row(label, cache_bytes, heldout, ood, completions):

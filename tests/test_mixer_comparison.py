@@ -1,20 +1,16 @@
 """`benchmarks/mixers.py`: the table is built only from finished runs trained alike."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "mixers.py"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def mixers():
-    spec = importlib.util.spec_from_file_location("mixers_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with benchmark_script("mixers") as module:
+        yield module
 
 
 def fake_run(root: Path, folder: str, ppl_final: float, **changes) -> str:

@@ -1,28 +1,18 @@
 """The retrieval study's pipeline (`benchmarks/retrieval_study.py --quick`): outputs are
 well-formed, measured cache sizes are consistent, and a second run redoes nothing."""
 
-import importlib.util
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "retrieval_study.py"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling modules, as when it runs
-    try:
-        spec = importlib.util.spec_from_file_location("retrieval_study", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
+    with benchmark_script("retrieval_study") as module:
         yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
 
 
 @pytest.fixture(scope="module")
