@@ -342,3 +342,17 @@ def test_the_report_names_the_recipe_the_mixer_was_trained_by():
 
     assert "LoRA adapters" in recipe_text("mamba") and "tail recipe" not in recipe_text("window")
     assert "KL divergence to the original model's predictions alone" in recipe_text("window+mamba2")
+
+
+def test_the_bench_names_the_final_model_by_its_role_not_its_path(texts, tmp_path, monkeypatch):
+    """A run folder that is moved must still find its measurements (bench.json is read by name)."""
+    train, held_out = texts
+    config = RunConfig(model=str(save_tiny_model(tmp_path / "tiny")), data=train, eval_data=held_out, quick=True)
+    run = Run(config, tmp_path / "run")
+    seen = {}
+    monkeypatch.setattr("recurformer.pipeline.against_original",
+                        lambda converted, *args, **kwargs: seen.update(converted) or {"contexts": [64]})
+    monkeypatch.setattr("recurformer.pipeline.plot_bench", lambda *args: None)
+    monkeypatch.setattr(Run, "converted", lambda self, name, take=False: f"model {name}")
+    dict((name, stage) for name, stage, _ in STAGES)["bench"](run)
+    assert seen == {"final": "model final"}

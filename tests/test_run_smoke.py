@@ -49,7 +49,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert metrics["replaced_groups"] == 45 and metrics["transfer_steps"] == metrics["lm_steps"] == 2
     # Half the KV groups are gone: the converted model's K/V is half the original's.
     bench = json.loads((out / "bench.json").read_text())
-    final = [r for r in bench["measurements"] if r["model"] == str(out / "final")]
+    final = [r for r in bench["measurements"] if r["model"] == "final"]
     original = [r for r in bench["measurements"] if r["model"] == "original"]
     assert [2 * r["kv_bytes"] for r in final] == [r["kv_bytes"] for r in original]
 

@@ -461,7 +461,8 @@ def _evaluate(run: Run) -> dict:
 
 def _bench(run: Run) -> dict:
     final = run.converted("final")
-    result = against_original({str(run.layout.model("final")): final}, run.original[0], run.sizes.bench,
+    # named "final", not by its path: a run folder that is moved still finds its measurements
+    result = against_original({"final": final}, run.original[0], run.sizes.bench,
                               progress=lambda m: print(f"bench: {m}", flush=True))
     write_json_atomic(run.layout.bench, result)
     plot_bench(result, run.layout.bench_plot)
@@ -493,7 +494,7 @@ def _report(run: Run) -> dict:
     results = RunResults(
         config={**run.config.to_dict(), "schema": RUN_SCHEMA}, records={n: run.record(n) for n, _, _ in STAGES[:-1]},
         evaluation=json.loads(run.layout.evaluation.read_text()), bench=json.loads(run.layout.bench.read_text()),
-        final=str(run.layout.model("final")),
+        final="final",
     )
     values = {"schema": RUN_SCHEMA, **collect(results, metrics)}
     plot_loss_curves({stage: run.layout.model(folder) / "train_log.jsonl" for stage, folder in (("transfer", "transfer"), ("lm", "final"))},
