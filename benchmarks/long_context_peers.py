@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from window_equal_cache import state_bytes
 
 from recurformer import HeadScores, MixerConfig, convert, make_scorer, select_heads
 from recurformer.bench import cache_bytes, new_cache
+from recurformer.equal_cache import equal_cache_window
 from recurformer.evaluate.logits import chunked_logits
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_any, load_model
@@ -157,9 +157,7 @@ def variant(name: str, original, scores: str, ablation_scores: str) -> Variant:
         return Variant(name, f"DuoAttention-style: ablation-kept groups full, others window 64 + 4 sinks, "
                        f"beta {beta}", ablation_scores, "ablation", beta, 64)
     if kind == "window-eqwm2":
-        target = state_bytes(original, spec, MixerConfig(kind="window+mamba2"))
-        small, large = (state_bytes(original, spec, MixerConfig(kind="window", window=w)) for w in (64, 128))
-        window = 64 + round((target - small) / ((large - small) / 64))
+        window = equal_cache_window(original, convert(original, spec, MixerConfig(kind="window+mamba2")))
         return Variant(name, f"window {window} + 4 sinks (the bytes of window+mamba2), beta {beta}", scores,
                        "recency", beta, window)
     target = cache_at(original, spec, MixerConfig(kind="window", window=64, sinks=SINKS))

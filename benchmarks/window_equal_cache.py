@@ -2,8 +2,8 @@
 
 A `window+mamba2` mixer holds the window's ring buffer and a Mamba-2 state; the fair rival is
 a plain `window` whose larger window holds the same bytes. This script finds that window
-(the mixer state bytes after a prefill, per window token) and measures held-out and
-out-of-domain perplexity (16,384 tokens, windows of 1,024, as `recurformer run` does) of the
+(`recurformer.equal_cache.equal_cache_window`) and measures held-out and
+out-of-domain perplexity (16,384 tokens in windows of 1,024) of the
 original, the default window (64 + 4 sinks) and the equal-bytes window, with the scores
 given (default: a run's `scores.json`). Writes docs/results/window-equal-cache.json.
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from recurformer import HeadScores, MixerConfig, convert, select_heads
+from recurformer.equal_cache import equal_cache_window, mixer_state_bytes
 from recurformer.evaluate import lookup_task, make_options
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
@@ -26,13 +27,6 @@ from recurformer.loading import load_model
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
 TEXTS = {"heldout": DATA / "wikitext-2-raw-test.txt", "ood": DATA / "lee-background-news.txt"}
-
-
-def state_bytes(model, spec, config: MixerConfig) -> int:
-    """The replaced heads' state bytes after a 300-token prefill (fixed size: any length past the window)."""
-    with torch.no_grad():
-        cache = convert(model, spec, config)(torch.randint(0, 1000, (1, 300)), use_cache=True).past_key_values
-    return cache.nbytes()["mixer_state"]
 
 
 def main() -> None:
@@ -45,13 +39,13 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model("smollm2-135m")
     spec = select_heads(HeadScores.load(args.scores), beta=args.beta)
-    target = state_bytes(model, spec, MixerConfig(kind=args.kind))
-    small, large = (state_bytes(model, spec, MixerConfig(kind="window", window=w)) for w in (64, 128))
-    per_token = (large - small) / 64
-    window = 64 + round((target - small) / per_token)
+    rival = convert(model, spec, MixerConfig(kind=args.kind))
+    target = mixer_state_bytes(rival)
+    window = equal_cache_window(model, rival)
+    del rival
     task, _ = lookup_task("ppl")
     result = {"scores": args.scores, "beta": args.beta, "kind": args.kind, "kind_state_bytes": target,
-              "window_bytes_per_token": per_token, "equal_window": window, "ppl": {}}
+              "equal_window": window, "ppl": {}}
     models = {"original": model, "window64": convert(model, spec, MixerConfig(kind="window")),
               f"window{window}": convert(model, spec, MixerConfig(kind="window", window=window))}
     for name, candidate in models.items():
