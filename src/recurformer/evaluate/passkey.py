@@ -86,11 +86,13 @@ RUN_MODELS = ("original", "final", BASELINE)
 
 
 def passkey_metrics(key: str, label: str) -> tuple[Metric, ...]:
+    """The metrics of the evaluation `key` (`passkey`, `passkey-4k`), named `<key with _>_*`."""
+    name = key.replace("-", "_")
     return (
         *per_model(key, "accuracy", f"passkey exact match at {label}", RUN_MODELS, fmt="{:.0%}", better="higher",
-                   key=key.replace("-", "_")),
-        Metric(f"{key.replace('-', '_')}_problems", f"passkey problems at {label}", lambda r: r.result(key, "original")["n"]),
-        Metric(f"{key.replace('-', '_')}_context", f"passkey prompt tokens at {label}",
+                   key=name),
+        Metric(f"{name}_problems", f"passkey problems at {label}", lambda r: r.result(key, "original")["n"]),
+        Metric(f"{name}_context", f"passkey prompt tokens at {label}",
                lambda r: r.result(key, "original")["context"], "{:,}", unit="tokens"),
     )
 
