@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import spec_for, tiny_model, tiny_tokenizer
-from transformers.modeling_outputs import CausalLMOutput
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from recurformer.config import ConfigError
 from recurformer.evaluate import TASKS, RunSettings, lookup_task, make_options
@@ -16,15 +16,29 @@ from recurformer.surgery import convert
 TOY_TASKS = Path(__file__).parent / "data" / "lm_eval_toy"
 
 
+class ZeroDecoder(torch.nn.Module):
+    def forward(self, input_ids):
+        return BaseModelOutput(last_hidden_state=torch.zeros(*input_ids.shape, 2))
+
+
 class Uniform(torch.nn.Module):
-    """Predicts the uniform distribution over `vocab` tokens at every position."""
+    """Predicts the uniform distribution over `vocab` tokens at every position: zero hidden
+    states through a zero head."""
 
     def __init__(self, vocab):
         super().__init__()
-        self.vocab = vocab
+        self.decoder, self.head = ZeroDecoder(), torch.nn.Linear(2, vocab, bias=False)
+        torch.nn.init.zeros_(self.head.weight)
 
-    def forward(self, ids, attention_mask=None, use_cache=False):
-        return CausalLMOutput(logits=torch.zeros(*ids.shape, self.vocab))
+    def get_decoder(self):
+        return self.decoder
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=0):
+        hidden = self.decoder(input_ids).last_hidden_state
+        return CausalLMOutput(logits=self.head(hidden[:, -logits_to_keep:]))
 
 
 @pytest.mark.parametrize("context, stride", [(64, 64), (64, 16), (1000, 1000)])
@@ -49,6 +63,39 @@ def test_perplexity_matches_a_direct_computation():
         logits = model(ids[None]).logits[0]
     direct = torch.nn.functional.cross_entropy(logits[:-1], ids[1:]).item()
     assert perplexity(model, ids, context=200, progress=False).nll == pytest.approx(direct, rel=1e-5)
+
+
+def full_logits_nll(model, ids: torch.Tensor, context: int, stride: int, batch_size: int) -> float:
+    """Mean NLL as perplexity computed it before its logits were chunked: each batch's full
+    `[b, T, vocab]` logits from the model's forward."""
+    spans = windows(len(ids), context, stride)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for first in range(0, len(spans), batch_size):
+            group = spans[first:first + batch_size]
+            width = max(end - start for start, end, _ in group)
+            batch, mask = torch.zeros(len(group), width, dtype=torch.long), torch.zeros(len(group), width, dtype=torch.long)
+            for row, (start, end, _) in enumerate(group):
+                batch[row, : end - start], mask[row, : end - start] = ids[start:end], 1
+            logits = model(batch, attention_mask=mask, use_cache=False).logits
+            for row, (start, end, scored) in enumerate(group):
+                pred = logits[row, scored - start - 1 : end - start - 1]
+                total += torch.nn.functional.cross_entropy(pred, ids[scored:end], reduction="sum").item()
+                tokens += end - scored
+    return total / tokens
+
+
+@pytest.mark.parametrize("kind", [None, "window+mamba2"])
+def test_chunked_perplexity_equals_the_full_logits(kind):
+    """Logits a few positions at a time, over right-padded batches with a ragged last window,
+    give the perplexity of the whole batch's logits at once."""
+    model = tiny_model("llama")
+    if kind is not None:
+        model = open_gates(convert(model, spec_for(model, 0.5), MIXERS[kind], init="random")).eval()
+    ids = torch.randint(0, 97, (263,), generator=torch.Generator().manual_seed(0))
+    for context, stride, batch_size in [(64, 64, 3), (100, 37, 2), (263, 263, 1)]:
+        chunked = perplexity(model, ids, context=context, stride=stride, batch_size=batch_size, progress=False, chunk=7)
+        assert chunked.nll == pytest.approx(full_logits_nll(model, ids, context, stride, batch_size), rel=1e-6)
 
 
 def test_hashhop_and_mqar_run_on_a_converted_model():

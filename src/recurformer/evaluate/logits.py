@@ -13,10 +13,19 @@ CHUNK = 512  # positions whose logits are computed at once
 
 
 @torch.no_grad()
-def last_hidden(model, ids: Tensor) -> Tensor:
+def last_hidden(model, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """The final-norm hidden states `[B, T, d]` of the causal LM `model` on `ids` `[B, T]`
-    (one forward pass, no cache, no logits)."""
-    return model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    (`attention_mask` `[B, T]`, 1 = token): one forward pass of the whole model, no cache,
+    the logits of the last position only. The states are taken from its decoder's output,
+    so that the decoder receives what the model's own forward gives it (a converted model
+    also passes the 2-D mask to its mixers)."""
+    kept = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, output: kept.append(output.last_hidden_state))
+    try:
+        model(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return kept[0]
 
 
 @torch.no_grad()

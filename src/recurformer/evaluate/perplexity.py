@@ -1,4 +1,6 @@
-"""`--task ppl`: perplexity of a text, scored in windows of `context` tokens."""
+"""`--task ppl`: perplexity of a text, scored in windows of `context` tokens; the logits are
+computed 512 positions at a time (`logits.py`): a batch of 4 windows of 2,048 tokens would
+otherwise hold 1.6 GB of fp32 logits at once."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from tqdm.auto import tqdm
 from ..config import option, require
 from ..data import check_length, load_documents, tokenize_documents
 from ..metrics import BASELINE, MODELS, Metric, Row, per_model
+from .logits import CHUNK, chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
 
 
@@ -50,9 +53,10 @@ def windows(length: int, context: int, stride: int) -> list[tuple[int, int, int]
 
 @torch.no_grad()
 def perplexity(
-    model, ids: Tensor, context: int = 1024, stride: int | None = None, batch_size: int = 4, progress: bool = True
+    model, ids: Tensor, context: int = 1024, stride: int | None = None, batch_size: int = 4, progress: bool = True,
+    chunk: int = CHUNK,
 ) -> Perplexity:
-    """Perplexity of `model` on the token stream `ids` `[L]`."""
+    """Perplexity of `model` on the token stream `ids` `[L]` (logits `chunk` positions at a time)."""
     stride = stride or context
     spans = windows(len(ids), context, stride)
     total_nll, total_tokens = 0.0, 0
@@ -65,12 +69,12 @@ def perplexity(
         for row, (start, end, _) in enumerate(group):  # right padding: causal rows are unaffected
             batch[row, : end - start] = ids[start:end]
             mask[row, : end - start] = 1
-        logits = model(batch, attention_mask=mask, use_cache=False).logits.float()
+        hidden = last_hidden(model, batch, mask)  # [b, width, d]
         for row, (start, end, scored) in enumerate(group):
             # position p predicts token p + 1; score tokens scored..end-1
-            pred = logits[row, scored - start - 1 : end - start - 1]
             target = ids[scored:end]
-            total_nll += F.cross_entropy(pred, target, reduction="sum").item()
+            for part, logits in chunked_logits(model, hidden[row, scored - start - 1 : end - start - 1], chunk):
+                total_nll += F.cross_entropy(logits, target[part], reduction="sum").item()
             total_tokens += len(target)
     nll = total_nll / total_tokens
     return Perplexity(total_tokens, nll, math.exp(nll), context, stride)
