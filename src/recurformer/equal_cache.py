@@ -42,10 +42,11 @@ def equal_cache_window(original, converted) -> int:
     return max(1, 64 + round((target - small) / per_token))
 
 
-def window_baseline(original, converted):
+def window_baseline(original, converted, window: int | None = None):
     """`(model, window)`: the training-free `window` conversion of `original` on the groups
-    `converted` replaced, at `converted`'s cache bytes."""
-    window = equal_cache_window(original, converted)
+    `converted` replaced, at `converted`'s cache bytes (`window`: that window, if already
+    known from `equal_cache_window`)."""
+    window = equal_cache_window(original, converted) if window is None else window
     spec = ReplacementSpec.from_dict(converted.config.replacement)
     return convert(original, spec, _window(converted, window), init="reuse",
                    source_model=converted.config.source_model), window

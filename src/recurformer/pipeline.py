@@ -29,6 +29,7 @@ configuration is refused before any work starts.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -57,12 +58,12 @@ from .data import (
     token_sequences,
     tokenize_documents,
 )
-from .equal_cache import window_baseline
+from .equal_cache import equal_cache_window, window_baseline
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
 from .hub import locate, resolve_model
 from .loading import load_converted, load_model, portable_name, save_model
-from .memory import PeakMemory
+from .memory import PeakMemory, release_freed_memory
 from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
@@ -308,6 +309,12 @@ class Run:
         length = self.sizes.tail_seq_len if self.tail_recipe else self.sizes.train_seq_len
         return token_sequences(self.original[1], self.train_documents, length, seed=self.config.seed)
 
+    def drop_models(self) -> None:
+        """Let go of the converted models held for later stages (they load again from their
+        directories when needed) and return their memory to the OS."""
+        self._models.clear()
+        release_memory()
+
     def keep(self, name: str, model) -> None:
         """Hold the converted model `name` (converted, transfer, final) for later stages."""
         self._models[name] = model
@@ -340,9 +347,10 @@ class Run:
                            ood_data=tuple(self.config.ood_data))
 
     @cached_property
-    def baseline(self):
-        """(the training-free `window` on the final model's groups at its cache bytes, its window)."""
-        return window_baseline(self.original[0], self.converted("final"))
+    def baseline_window(self) -> int:
+        """The window of the training-free `window` rival on the final model's groups at its
+        cache bytes (equal_cache.py); the final model is loaded for it and let go."""
+        return equal_cache_window(self.original[0], load_converted(self.layout.model("final"))[0])
 
 
 Stage = Callable[[Run], dict]
@@ -433,20 +441,32 @@ def _training_stage(stage: str, source: str, target: str) -> Stage:
     return train
 
 
+def release_memory() -> None:
+    """Collect the garbage and hand the freed heap pages back to the OS: a model let go no
+    longer counts in the resident memory of what comes after."""
+    gc.collect()
+    release_freed_memory()
+
+
 def _evaluated_model(run: Run, name: str):
+    """The model `name`, loaded from its directory (the baseline: built from the final model)."""
     if name == "original":
         return run.original[0]
     if name == BASELINE:
-        return run.baseline[0]
+        final = load_converted(run.layout.model("final"))[0]
+        return window_baseline(run.original[0], final, run.baseline_window)[0]
     return load_converted(run.layout.model(name))[0]
 
 
 def _evaluate(run: Run) -> dict:
     """Every evaluation of every task `run` uses, on each of the task's models; eval.json is
-    `{evaluation: {model: result}}` (an evaluation is a task with options, `Task.run_options`)."""
+    `{evaluation: {model: result}}` (an evaluation is a task with options, `Task.run_options`).
+    One model at a time: each is loaded, evaluated and let go before the next (besides the
+    original, which the run holds)."""
     settings, tasks = run.task_settings(), run_tasks()
     runs = {task.name: task.run_options(settings) for task in tasks}
     results: dict[str, dict[str, Any]] = {key: {} for task in tasks for key in runs[task.name]}
+    run.drop_models()
     for name in (*MODELS, BASELINE):
         work = [(task, key, options) for task in tasks for key, options in runs[task.name].items()
                 if name in task.models_for(key)]
@@ -455,8 +475,10 @@ def _evaluate(run: Run) -> dict:
         model = _evaluated_model(run, name).eval()
         for task, key, options in work:
             results[key][name] = task.evaluate(model, run.original[1], options)
+        del model
+        release_memory()
     write_json_atomic(run.layout.evaluation, results)
-    return {"evaluations": list(results), "baseline_window": run.baseline[1]}
+    return {"evaluations": list(results), "baseline_window": run.baseline_window}
 
 
 def _bench(run: Run) -> dict:
@@ -542,7 +564,8 @@ def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progre
         bar.set_description(f"run: stage {number}/{len(plan)} {name}")
         if run.record(name) is None:
             started = time.monotonic()
-            with PeakMemory() as memory:
+            # settled: what earlier stages freed is not counted in this stage's peak
+            with PeakMemory(settle=True) as memory:
                 record = stage(run)
             run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2), "peak_rss_bytes": memory.peak})
         bar.update(round(weights.get(name, seconds)))
