@@ -1,5 +1,6 @@
 """Training stages on tiny models: what trains, that it learns, resume and data parallelism."""
 
+import copy
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import MIXERS, spec_for, tiny_model
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 
 from recurformer.config import ConfigError, MixerConfig
 from recurformer.surgery import convert
@@ -202,7 +203,7 @@ def test_tokens_budget_sets_the_steps():
 DDP_SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from tiny_models import MIXERS, spec_for, tiny_model
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, train
 teacher = tiny_model("llama")
@@ -280,6 +281,33 @@ def test_kl_only_objective_matches_the_teachers_logits(tmp_path):
                                           log_target=True, reduction="batchmean")
     assert loss.item() == pytest.approx(expected.item(), rel=1e-4) and metrics["kl"] == pytest.approx(loss.item())
     assert metrics["ce"] > 1.0  # logged though not trained
+
+
+def lm_loss_and_gradients(teacher, student, ids, recompute: bool, **objective) -> tuple[float, dict[str, torch.Tensor]]:
+    objective = LMObjective(teacher=teacher, recompute=recompute, **objective)
+    module = objective.prepare(student)
+    loss, _ = objective.loss(module, ids)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
+    objective.finish(module)
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("trainable, kind, kl", [("tail", "window+mamba2", 1.0), ("mixers", "mamba2", 0.0),
+                                                 ("all", "window", 0.5)])
+def test_recomputed_layers_give_the_same_loss_and_gradients(trainable, kind, kl):
+    """The lm stage recomputes the student's decoder layers in the backward pass to save memory;
+    its loss and gradients are those of the plain backward pass."""
+    teacher, student, sequences = setup(mixer=MIXERS[kind], init="reuse")
+    open_gates(student)
+    ids = sequences[:3]
+    settings = dict(trainable=trainable, distill_weight=kl, ce_weight=1.0 - kl / 2)
+    plain = lm_loss_and_gradients(teacher, copy.deepcopy(student), ids, recompute=False, **settings)
+    recomputed = lm_loss_and_gradients(teacher, student, ids, recompute=True, **settings)
+    assert recomputed[0] == pytest.approx(plain[0], rel=1e-6)
+    assert recomputed[1].keys() == plain[1].keys() and plain[1]
+    torch.testing.assert_close(recomputed[1], plain[1], rtol=1e-5, atol=1e-7)
+    assert all("forward" not in vars(layer) for layer in student.model.layers)  # finish undid it
 
 
 @pytest.mark.parametrize("stage", ["transfer", "lm"])

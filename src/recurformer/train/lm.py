@@ -10,14 +10,20 @@ projections stay as the heads had them) and `all`.
 their log-softmaxes, the gradient). The loss here never holds more than `chunk` rows of
 logits: the models return their last hidden states, and `head_losses` computes the logits,
 the loss terms and their gradients one chunk of tokens at a time, keeping only the
-gradient with respect to the hidden states `[N, hidden]` for the backward pass.
+gradient with respect to the hidden states `[N, hidden]` for the backward pass. And the
+student's decoder layers are recomputed in the backward pass (`recompute_layers`): the
+forward keeps each layer's input `[b, T, hidden]` only, not the activations of all its
+attention heads, mixer and MLP (measured on SmolLM2-135M, docs/training.md).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError
 from ..mixers import Mixer
@@ -111,6 +117,17 @@ def head_losses(
     return _HeadLosses.apply(hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, temperature, chunk)
 
 
+def recompute_layers(model: nn.Module, on: bool = True) -> None:
+    """Recompute each decoder layer of `model` (`model.get_decoder().layers`) in the backward
+    pass instead of keeping its activations (`torch.utils.checkpoint`, non-reentrant): the
+    same gradients, for one more forward pass of the layers. `on=False` undoes it."""
+    for layer in model.get_decoder().layers:
+        if on:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        elif "forward" in vars(layer):
+            del layer.forward
+
+
 def _unwrapped(module: nn.Module) -> nn.Module:
     """The model inside a DistributedDataParallel wrapper (PEFT wrappers forward attributes)."""
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
@@ -132,6 +149,8 @@ class LMObjective:
         lora_rank: rank of the LoRA adapters (alpha = 2 * rank).
         ce_weight: weight of the next-token cross-entropy; 0 trains on the KL alone, which
             recovers the original model rather than adapting to the training text.
+        recompute: recompute the decoder layers in the backward pass (`recompute_layers`):
+            the same gradients in less memory.
     """
 
     def __init__(
@@ -142,18 +161,23 @@ class LMObjective:
         temperature: float = 1.0,
         lora_rank: int = 8,
         ce_weight: float = 1.0,
+        recompute: bool = True,
     ):
         if distill_weight > 0 and teacher is None:
             raise ConfigError("--distill-weight > 0 needs the original model as teacher")
         if ce_weight == 0 and distill_weight == 0:
             raise ConfigError("--ce-weight 0 needs --distill-weight > 0: the loss would be zero")
         self.trainable, self.distill_weight, self.temperature, self.lora_rank = trainable, distill_weight, temperature, lora_rank
-        self.ce_weight = ce_weight
+        self.ce_weight, self.recompute = ce_weight, recompute
+        self.student: nn.Module | None = None
         self.teacher = None if teacher is None else teacher.eval().requires_grad_(False)
         self.peft = False
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model.requires_grad_(self.trainable == "all")
+        if self.recompute:
+            recompute_layers(model)
+            self.student = model
         if self.trainable == "tail":
             for p in tail_parameters(model):
                 p.requires_grad_(True)
@@ -192,6 +216,9 @@ class LMObjective:
         return loss, metrics
 
     def finish(self, module: nn.Module) -> None:
-        """Merge LoRA adapters into the weights, leaving a plain RecurFormer model."""
+        """Merge LoRA adapters into the weights, leaving a plain RecurFormer model (whose
+        layers no longer recompute)."""
+        if self.student is not None:
+            recompute_layers(self.student, on=False)
         if self.peft:
             module.merge_and_unload()
