@@ -1,3 +1,4 @@
+import functools
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 from recurformer.config import ConfigError
 from recurformer.evaluate import TASKS, RunSettings, lookup_task, make_options
 from recurformer.evaluate.hashhop import hashhop_accuracy
+from recurformer.evaluate.logits import greedy_tokens
 from recurformer.evaluate.mqar import mqar_accuracy
 from recurformer.evaluate.perplexity import perplexity, windows
 from recurformer.metrics import BASELINE, MODELS
@@ -104,6 +106,32 @@ def test_hashhop_and_mqar_run_on_a_converted_model():
     tokenizer = tiny_tokenizer()
     result = hashhop_accuracy(converted, tokenizer, num_problems=2, hops=1, target_tokens=300, progress=False)
     assert result["n"] == 2 and 0.0 <= result["exact_match"] <= 1.0
+
+
+def test_greedy_tokens_are_the_argmax_of_the_full_logits():
+    model = tiny_model("llama")
+    model = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random")).eval()
+    ids = torch.randint(0, 97, (3, 41), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.argmax(-1)
+    assert torch.equal(greedy_tokens(model, ids, chunk=5), expected)
+
+
+def test_mqar_scores_as_the_full_logits_do(monkeypatch):
+    """The greedy guesses, computed a few positions at a time, score as the whole batch's logits."""
+    from recurformer.evaluate import mqar
+    from recurformer.tasks.mqar import mqar_tokens, score_mqar
+
+    monkeypatch.setattr(mqar, "word_pool", lambda tokenizer, size: torch.arange(size) % 97)
+    monkeypatch.setattr(mqar, "greedy_tokens", functools.partial(greedy_tokens, chunk=5))
+    model = tiny_model("llama")
+    result = mqar.mqar_accuracy(model, tiny_tokenizer(), num_examples=60, seq_len=48, num_kv_pairs=4, batch_size=7)
+    data = mqar_tokens(60, 48, 4, vocab_size=64, seed=0)
+    ids = data["input_ids"] % 97
+    labels = torch.where(data["labels"] >= 0, data["labels"].clamp_min(0) % 97, data["labels"])
+    with torch.no_grad():
+        expected = score_mqar(model(ids, use_cache=False).logits, labels)
+    assert {k: result[k] for k in expected} == expected and 0 < expected["accuracy"] < 1
 
 
 def test_mqar_word_pool_is_reported_clearly():

@@ -36,3 +36,15 @@ def chunked_logits(model, hidden: Tensor, chunk: int = CHUNK) -> Iterator[tuple[
     for start in range(0, len(hidden), chunk):
         part = slice(start, min(start + chunk, len(hidden)))
         yield part, head(hidden[part]).float()
+
+
+@torch.no_grad()
+def greedy_tokens(model, ids: Tensor, chunk: int = CHUNK) -> Tensor:
+    """The most likely next token `[B, T]` after every position of `ids` `[B, T]`: the argmax
+    of the logits, computed `chunk` positions at a time."""
+    hidden = last_hidden(model, ids)
+    tokens = torch.empty(ids.shape, dtype=torch.long)
+    for row in range(len(ids)):
+        for part, logits in chunked_logits(model, hidden[row], chunk):
+            tokens[row, part] = logits.argmax(-1)
+    return tokens
