@@ -58,18 +58,23 @@ class _HeadLosses(torch.autograd.Function):
             grad = torch.zeros_like(logits)
             target = targets[part]
             scored_rows = (target >= 0).nonzero(as_tuple=True)[0]
+            # [c, V] tensors go as soon as they are used, and the KL's in place: at most five at once
             log_probs = logits.log_softmax(-1)
             ce_sum -= log_probs[scored_rows, target[scored_rows]].sum()  # logged even when not trained
             if ce_weight:
                 grad[scored_rows] += log_probs[scored_rows].exp() * (ce_weight / scored)
                 grad[scored_rows, target[scored_rows]] -= ce_weight / scored
+            del log_probs
             if kl_weight:
                 teacher_log = ((teacher_hidden[part] @ teacher_weight.T).float() / t).log_softmax(-1)
                 student_log = (logits / t).log_softmax(-1)
                 teacher_probs = teacher_log.exp()
-                kl_sum += (teacher_probs * (teacher_log - student_log)).sum()
+                kl_sum += teacher_log.sub_(student_log).mul_(teacher_probs).sum()
+                del teacher_log
                 # d/dlogits of t^2 KL(teacher || softmax(logits / t)) = t (student - teacher)
-                grad += (student_log.exp() - teacher_probs) * (kl_weight * t / rows)
+                grad += student_log.exp_().sub_(teacher_probs).mul_(kl_weight * t / rows)
+                del student_log, teacher_probs
+            del logits
             grad_hidden[part] = grad @ weight.float()
             if grad_weight is not None:
                 grad_weight += grad.T @ h.float()
