@@ -169,11 +169,12 @@ def variant(name: str, original, scores: str, ablation_scores: str) -> Variant:
 
 
 def trained_label(model, folder: str) -> str:
-    """'window+mamba2 (64 + 4 sinks), 45 of 90 groups, trained: FOLDER'."""
+    """'window+mamba2 (64 + 4 sinks), 45 of 90 groups, trained: FOLDER' (the window only for
+    the kinds that have one)."""
     mixer, spec = model.config.mixer, model.config.replacement
     groups = spec["num_layers"] * spec["num_kv_heads"]
-    return (f"{mixer['kind']} ({mixer['window']} + {mixer['sinks']} sinks), {len(spec['groups'])} of {groups} "
-            f"groups, trained: `{folder}`")
+    window = f" ({mixer['window']} + {mixer['sinks']} sinks)" if mixer["kind"].startswith("window") else ""
+    return f"{mixer['kind']}{window}, {len(spec['groups'])} of {groups} groups, trained: `{folder}`"
 
 
 def load_results(path: Path, digest: str) -> dict:

@@ -44,3 +44,16 @@ def test_greedy_answer_is_generate(peers, name, model):
     answer = peers.greedy_answer(model, ids, 40, peers.fresh_cache(model), new_tokens=5)
     generated = model.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert answer == generated[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("kind, window", [("window+mamba2", "(16 + 2 sinks)"), ("mamba", None)])
+def test_trained_label_names_the_window_only_of_kinds_that_have_one(peers, kind, window):
+    original = tiny_model("llama")
+    converted = convert(original, spec_for(original, 0.5), MIXERS[kind])
+    label = peers.trained_label(converted, "/runs/x/final")
+    groups = len(converted.config.replacement["groups"])
+    assert label.startswith(kind)
+    assert f"{groups} of " in label and label.endswith("trained: `/runs/x/final`")
+    assert ("sinks" in label) == (window is not None)
+    if window:
+        assert window in label
