@@ -187,6 +187,14 @@ def load_results(path: Path, digest: str) -> dict:
     return results
 
 
+def add_row(path: Path, digest: str, name: str, row: dict) -> None:
+    """Write `row` into the results at `path`, read again just before: rows that another run of
+    this script added meanwhile are kept."""
+    results = load_results(path, digest)
+    results["rows"][name] = row
+    write_json_atomic(path, results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default=str(ROOT / "runs" / "long-context-problems.json"))
@@ -223,8 +231,7 @@ def main() -> None:
             model = row.build(original)
             record = {"label": row.label, "scores": row.scores, "scorer": row.scorer, "beta": row.beta,
                       "window": row.window, "sinks": SINKS}
-        results["rows"][name] = {"method": "ours", **record, **measure(model, tokenizer, problems)}
-        write_json_atomic(out, results)
+        add_row(out, problems["digest"], name, {"method": "ours", **record, **measure(model, tokenizer, problems)})
         del model
     print(f"wrote {out}")
 

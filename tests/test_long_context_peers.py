@@ -57,3 +57,14 @@ def test_trained_label_names_the_window_only_of_kinds_that_have_one(peers, kind,
     assert ("sinks" in label) == (window is not None)
     if window:
         assert window in label
+
+
+def test_add_row_keeps_rows_written_meanwhile(peers, tmp_path):
+    out = tmp_path / "rows.json"
+    peers.add_row(out, "digest", "first", {"method": "ours", "label": "a"})
+    # another run of the script, started before "first" existed, adds its own row
+    peers.add_row(out, "digest", "second", {"method": "ours", "label": "b"})
+    rows = peers.load_results(out, "digest")["rows"]
+    assert rows == {"first": {"method": "ours", "label": "a"}, "second": {"method": "ours", "label": "b"}}
+    with pytest.raises(SystemExit, match="problem set"):
+        peers.add_row(out, "other", "third", {})

@@ -186,6 +186,8 @@ def main() -> None:
             label, press_class = PRESSES[name]
             print(row, f"compression_ratio {ratio:.5f}", flush=True)
             record = measure(model, tokenizer, press_class(compression_ratio=ratio), problems)
+            # read again: rows that another run of this script wrote meanwhile are kept
+            results = {**results, "rows": read_json(out, "results")["rows"]} if out.exists() else results
             results["rows"][row] = {"method": "kvpress", "label": f"kvpress {label}, compression {ratio:.3f} "
                                     f"(the bytes of {match})", "press": press_class.__name__, "match": match,
                                     "compression_ratio": ratio, **record}
