@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -67,11 +68,19 @@ def groups(runs: list[dict]) -> dict[tuple, list[dict]]:
     return grouped
 
 
+def same(a, b) -> bool:
+    """Equal, floats to 1e-6 relative (the original's perplexity moves in the 8th digit when the
+    order of a sum changes)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
 def check_comparable(runs: list[dict]) -> None:
     first = runs[0]
     for run in runs[1:]:
         for key in SHARED:
-            if run.get(key) != first.get(key):
+            if not same(run.get(key), first.get(key)):
                 raise SystemExit(f"error: {run['run']} is not comparable with {first['run']}: "
                                  f"{key} is {run.get(key)!r} there and {first.get(key)!r} here")
     variants = [label(r) for r in runs]
