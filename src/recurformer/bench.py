@@ -13,7 +13,6 @@ allocates rather than what an earlier one left resident.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -107,7 +106,6 @@ def measure(
     """Prefill a random prompt of `context` tokens, then decode greedily."""
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
-    gc.collect()
     with PeakMemory(interval=0.002, settle=True) as memory:
         cache = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()

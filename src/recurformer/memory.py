@@ -22,8 +22,10 @@ def _libc():
 
 
 def release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc's `malloc_trim`; a no-op elsewhere), so the
-    resident set size counts live memory: glibc keeps freed tensors' pages resident for reuse."""
+    """Collect the garbage, then hand freed heap pages back to the OS (glibc's `malloc_trim`; a
+    no-op elsewhere), so the resident set size counts live memory: glibc keeps freed tensors'
+    pages resident for reuse."""
+    gc.collect()
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
@@ -56,7 +58,6 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         if self.settle:
-            gc.collect()
             release_freed_memory()
         self.start = self._process.memory_info().rss
         self._sample()

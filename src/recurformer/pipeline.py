@@ -29,7 +29,6 @@ configuration is refused before any work starts.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import shutil
@@ -313,7 +312,7 @@ class Run:
         """Let go of the converted models held for later stages (they load again from their
         directories when needed) and return their memory to the OS."""
         self._models.clear()
-        release_memory()
+        release_freed_memory()  # a model let go no longer counts in what comes after
 
     def keep(self, name: str, model) -> None:
         """Hold the converted model `name` (converted, transfer, final) for later stages."""
@@ -441,13 +440,6 @@ def _training_stage(stage: str, source: str, target: str) -> Stage:
     return train
 
 
-def release_memory() -> None:
-    """Collect the garbage and hand the freed heap pages back to the OS: a model let go no
-    longer counts in the resident memory of what comes after."""
-    gc.collect()
-    release_freed_memory()
-
-
 def _evaluated_model(run: Run, name: str):
     """The model `name`, loaded from its directory (the baseline: built from the final model)."""
     if name == "original":
@@ -476,7 +468,7 @@ def _evaluate(run: Run) -> dict:
         for task, key, options in work:
             results[key][name] = task.evaluate(model, run.original[1], options)
         del model
-        release_memory()
+        release_freed_memory()
     write_json_atomic(run.layout.evaluation, results)
     return {"evaluations": list(results), "baseline_window": run.baseline_window}
 
