@@ -24,16 +24,16 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recurformer import HeadScores, MixerConfig, convert, select_heads  # noqa: E402
-from recurformer.data import load_documents, token_sequences, tokenize_documents  # noqa: E402
-from recurformer.mixers import Mamba2Mixer, window_recurrent  # noqa: E402
-from recurformer.ops.conv import causal_conv1d  # noqa: E402
-from recurformer.ops.ssd import ssd  # noqa: E402
-from recurformer.train import LMObjective, TrainConfig, TransferObjective, train  # noqa: E402
+from recurformer import HeadScores, MixerConfig, convert, select_heads
+from recurformer.data import load_documents, token_sequences, tokenize_documents
+from recurformer.mixers import Mamba2Mixer, window_recurrent
+from recurformer.ops.conv import causal_conv1d
+from recurformer.ops.ssd import ssd
+from recurformer.train import LMObjective, TrainConfig, TransferObjective, train
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
@@ -57,13 +57,7 @@ class EvictedTailMamba2(Mamba2Mixer):
             raise NotImplementedError("the evicted-tail experiment supports an unpadded full forward only")
         batch, length = x.shape[:2]
         w = self.config.window
-        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        xbc, _ = causal_conv1d(xbc, self.conv_weight, self.conv_bias, None)
-        xs, B, C = F.silu(xbc).split(self.conv_splits, dim=-1)
-        dt = F.softplus(dt + self.dt_bias).float()  # [B, T, H]
-        xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(self.n_heads // self.n_groups, dim=2)
-        B = B.unflatten(-1, (self.n_groups, self.d_state))
-        C = C.unflatten(-1, (self.n_heads, self.d_state)).float()
+        z, xs, dt, B, C = self.scan_inputs(x)
         y = torch.zeros(batch, length, self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
         if length > w:
             a = (dt * self.A.float()).double()
@@ -75,6 +69,16 @@ class EvictedTailMamba2(Mamba2Mixer):
                            None, chunk_size=self.config.ssd_chunk)
             y[:, w:] = late
         return self._output(y.to(z.dtype), z)
+
+    def scan_inputs(self, x):
+        """(gate z, x `[B, T, H, P]`, dt `[B, T, H]`, B `[B, T, G, N]`, C `[B, T, H, N]`) of `x` `[B, T, d_in]`."""
+        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
+        xbc, _ = causal_conv1d(xbc, self.conv_weight, self.conv_bias, None)
+        xs, B, C = F.silu(xbc).split(self.conv_splits, dim=-1)
+        dt = F.softplus(dt + self.dt_bias).float()
+        xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(self.n_heads // self.n_groups, dim=2)
+        return (z, xs, dt, B.unflatten(-1, (self.n_groups, self.d_state)),
+                C.unflatten(-1, (self.n_heads, self.d_state)).float())
 
 
 def load_teacher():
@@ -139,7 +143,7 @@ def main() -> None:
         if args.tail == "evicted":
             if args.kind != "window+mamba2":
                 raise SystemExit("--tail evicted is implemented for window+mamba2 only")
-            window_recurrent.RECURRENT_BRANCHES["window+mamba2"] = EvictedTailMamba2
+            window_recurrent.WindowMamba2Mixer.branch = EvictedTailMamba2
         ssd_state = args.ssd_state if args.ssd_state == "head_dim" else int(args.ssd_state)
         feature_dim = args.feature_dim if args.feature_dim == "head_dim" else int(args.feature_dim)
         config = MixerConfig(kind=args.kind, window=args.window, sinks=args.sinks, ssd_state=ssd_state, feature_dim=feature_dim)

@@ -1,9 +1,12 @@
-"""Training throughput (tokens/s) of the lm stage against training the original model, in
-one process on the same batches: fp32 or bf16 autocast as `--precision auto` picks.
+"""Training throughput (tokens/s) of the lm stage against training the original model the
+same way, in one process on the same batches: the same next-token loss, the same layer
+recompute (`LMObjective`'s default, as `recurformer run` trains), fp32 or bf16 autocast as
+`--precision auto` picks. The converted models are built here from the committed head
+scores (SmolLM2-135M, recency selection at `--beta`), so the benchmark needs no earlier run.
 
 Writes docs/results/train_throughput.json.
 
-    python benchmarks/train_throughput.py [--converted runs/recovery/transfer-reuse] [--steps 3]
+    python benchmarks/train_throughput.py [--beta 0.5] [--steps 3]
 """
 
 from __future__ import annotations
@@ -14,15 +17,27 @@ from pathlib import Path
 
 import torch
 
+from recurformer import HeadScores, MixerConfig, convert, select_heads
 from recurformer.files import write_json_atomic
-from recurformer.loading import load_converted, load_model
+from recurformer.loading import load_model
 from recurformer.train.lm import LMObjective
 from recurformer.train.loop import resolve_precision
 
 ROOT = Path(__file__).resolve().parent.parent
+SCORES = ROOT / "docs" / "results" / "smollm2-135m-scores.json"
+# (model kind, trainable set, recompute): the original first, as the baseline of the ratios
+ROWS = (
+    ("original", "all", True),
+    ("original", "all", False),
+    ("mamba", "all", True),
+    ("mamba", "mixers", True),
+    ("window+mamba2", "all", True),
+    ("window+mamba2", "tail", True),
+)
 
 
 def tokens_per_second(model, objective, batches, autocast: bool) -> float:
+    """Tokens/s of optimizer steps on `batches` (each `[b, T]`), the first step untimed."""
     module = objective.prepare(model)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-5)
     times = []
@@ -40,7 +55,7 @@ def tokens_per_second(model, objective, batches, autocast: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--converted", default=str(ROOT / "runs" / "recovery" / "transfer-reuse"))
+    parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -48,18 +63,21 @@ def main() -> None:
     autocast = resolve_precision("auto") == "bf16"
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 49152, (args.batch_size, args.seq_len), generator=generator) for _ in range(args.steps + 1)]
+    spec = select_heads(HeadScores.load(SCORES), beta=args.beta)
     rows = []
-    for name, trainable in (("original", "all"), ("converted", "all"), ("converted", "mixers+lora"), ("converted", "mixers")):
-        model = load_model("smollm2-135m", progress=False)[0] if name == "original" else load_converted(args.converted)[0]
-        rate = tokens_per_second(model.train(), LMObjective(trainable), batches, autocast)
-        rows.append({"model": name, "trainable": trainable, "tokens_per_s": rate})
+    for kind, trainable, recompute in ROWS:
+        model = load_model("smollm2-135m", progress=False)[0]
+        if kind != "original":
+            model = convert(model, spec, MixerConfig(kind=kind), init="reuse")
+        rate = tokens_per_second(model.train(), LMObjective(trainable, recompute=recompute), batches, autocast)
+        rows.append({"model": kind, "trainable": trainable, "recompute": recompute, "tokens_per_s": rate})
         print(rows[-1], flush=True)
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["ratio_to_original"] = row["tokens_per_s"] / base
     write_json_atomic(ROOT / "docs" / "results" / "train_throughput.json", {
-        "bf16_autocast": autocast, "batch_size": args.batch_size, "seq_len": args.seq_len, "timed_steps": args.steps,
-        "threads": torch.get_num_threads(), "rows": rows,
+        "bf16_autocast": autocast, "beta": args.beta, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "timed_steps": args.steps, "threads": torch.get_num_threads(), "rows": rows,
     })
 
 
