@@ -40,7 +40,7 @@ def main() -> None:
         mixer, beta = variant.split(":")
         out = work / f"{mixer}-beta{beta}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta)), MixerConfig(kind=mixer),
+            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta), scorer="recency"), MixerConfig(kind=mixer),
                             force=True)
         names[str(out)] = f"{mixer} beta {beta}"
     dirs = list(names)

@@ -187,7 +187,7 @@ def main() -> None:
         mixer, beta = variant.split(":")
         out = Path(args.work) / f"{mixer}-beta{beta}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta)), MixerConfig(kind=mixer),
+            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta), scorer="recency"), MixerConfig(kind=mixer),
                             force=True)
         contenders[f"{mixer} beta {beta}"] = (load_converted(str(out))[0].eval(), "hybrid")
     rows = profile(contenders, args.context, args.steps, progress=lambda line: print(line, flush=True))

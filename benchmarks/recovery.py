@@ -51,12 +51,12 @@ def main() -> None:
 
     scores = work / "scores.json"
     if not scores.exists():
-        analyze_command(args.model, TRAIN[:1], str(scores))
+        analyze_command(args.model, TRAIN[:1], str(scores), selection=SelectionConfig(scorer="recency"))
     rows = [{"variant": "original", "stage": "-", **ppl(args.model, "original")}]
     for init in ("reuse", "random"):
         converted = work / f"converted-{init}"
         if not (converted / "config.json").exists():
-            convert_command(args.model, str(scores), str(converted), SelectionConfig(beta=args.beta), init=init, force=True)
+            convert_command(args.model, str(scores), str(converted), SelectionConfig(beta=args.beta, scorer="recency"), init=init, force=True)
         rows.append({"variant": f"init={init}", "stage": "converted, untrained", **ppl(str(converted), f"{init}-untrained")})
         transfer = work / f"transfer-{init}"
         config = TrainConfig(stage="transfer", steps=args.transfer_steps, seq_len=512, batch_size=8, lr=5e-3,

@@ -74,8 +74,8 @@ def test_bench_command(tmp_path, capsys):
     save_tiny_model(tmp_path / "model")
     (tmp_path / "text.txt").write_text(" ".join(["the quick brown fox jumps"] * 300))
     assert main(["analyze", str(tmp_path / "model"), "--data", str(tmp_path / "text.txt"), "--out", str(tmp_path / "s.json"),
-                 "--sequences", "2", "--seq-len", "32"]) == 0
-    assert main(["convert", str(tmp_path / "model"), "--scores", str(tmp_path / "s.json"), "--beta", "0.5",
+                 "--sequences", "2", "--seq-len", "32", "--scorer", "recency"]) == 0
+    assert main(["convert", str(tmp_path / "model"), "--scores", str(tmp_path / "s.json"), "--scorer", "recency", "--beta", "0.5",
                  "--out", str(tmp_path / "conv")]) == 0
     code = main(["bench", str(tmp_path / "conv"), "--context", "16,32", "--decode-steps", "2",
                  "--out", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png")])

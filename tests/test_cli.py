@@ -30,9 +30,14 @@ def run(capsys, *argv):
     return code, captured.err
 
 
+ABLATION = ("--scorer", "ablation", "--ablation-sequences", 2, "--ablation-seq-len", 64, "--ablation-from", 32,
+            "--ablation-window", 8, "--ablation-sinks", 1)
+
+
 def analyze_args(ws, out="scores.json", *extra):
+    """`analyze` at sizes a tiny model and TEXT allow (the default scorer, ablation, included)."""
     return ("analyze", ws / "model", "--data", ws / "text.txt", "--out", ws / out,
-            "--sequences", 4, "--seq-len", 64, *extra)
+            "--sequences", 4, "--seq-len", 64, *ABLATION[2:], *extra)
 
 
 def test_analyze_then_convert(workspace, capsys):
@@ -159,10 +164,6 @@ def test_convert_refuses_bad_mixer_flags(workspace, capsys, flags, fragment):
     assert not target.exists()
 
 
-ABLATION = ("--scorer", "ablation", "--ablation-sequences", 2, "--ablation-seq-len", 64, "--ablation-from", 32,
-            "--ablation-window", 8, "--ablation-sinks", 1)
-
-
 def test_analyze_with_the_ablation_scorer_then_convert_the_cheapest_groups(workspace, capsys):
     ws = workspace
     code, err = run(capsys, *analyze_args(ws, "ablation.json", *ABLATION))
@@ -203,10 +204,15 @@ def test_the_ablation_scorer_says_how_much_text_it_needs(workspace, capsys):
     assert not (workspace / "never.json").exists()
 
 
-def test_convert_with_the_ablation_scorer_needs_ablation_scores(workspace, capsys):
-    code, err = run(capsys, "convert", workspace / "model", "--scores", scores_file(workspace, capsys),
-                    "--scorer", "ablation", "--beta", 0.5, "--out", workspace / "never")
+def test_the_default_scorer_needs_ablation_scores_and_names_the_alternative(workspace, capsys):
+    assert run(capsys, *analyze_args(workspace, "recency.json", "--scorer", "recency"))[0] == 0
+    code, err = run(capsys, "convert", workspace / "model", "--scores", workspace / "recency.json",
+                    "--beta", 0.5, "--out", workspace / "never")
     one_line_error(code, err, "no ablation costs")
+    assert "--scorer recency" in err
+    code, err = run(capsys, "convert", workspace / "model", "--scores", workspace / "recency.json",
+                    "--scorer", "recency", "--beta", 0.5, "--out", workspace / "recency-converted")
+    assert code == 0, err
 
 
 def test_eval_refuses_a_missing_data_file_before_loading_the_model(workspace, capsys, monkeypatch):

@@ -20,10 +20,10 @@ DATA = "../shared/data/wikitext-2-valid.txt"
 
 def test_analyze_convert_generate(tmp_path):
     assert main(["analyze", "smollm2-135m", "--data", DATA, "--out", str(tmp_path / "scores.json"),
-                 "--sequences", "2", "--seq-len", "128", "--plot", str(tmp_path / "heads.png")]) == 0
+                 "--sequences", "2", "--seq-len", "128", "--scorer", "recency", "--plot", str(tmp_path / "heads.png")]) == 0
     scores = json.loads((tmp_path / "scores.json").read_text())
     assert len(scores["groups"]) == 90
-    assert main(["convert", "smollm2-135m", "--scores", str(tmp_path / "scores.json"), "--beta", "0.5",
+    assert main(["convert", "smollm2-135m", "--scores", str(tmp_path / "scores.json"), "--scorer", "recency", "--beta", "0.5",
                  "--out", str(tmp_path / "converted")]) == 0
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()

@@ -108,7 +108,7 @@ def calibration_sequences(tokenizer, documents: list[str], config: AblationConfi
     ids = tokenize_documents(tokenizer, documents)
     if len(ids) < config.tokens:
         raise DataError(f"the ablation scorer needs {config.ablation_sequences} x {config.ablation_seq_len} = "
-                        f"{config.tokens} tokens of calibration text, the data has {len(ids)}")
+                        f"{config.tokens} tokens of calibration text, the data has {len(ids)} (--scorer recency needs less)")
     return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
 
 

@@ -364,7 +364,7 @@ class AblationScorer(Scorer):
     def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
         if "ablation" not in scores.groups:
             raise ConfigError("these scores have no ablation costs; make them with "
-                              "`recurformer analyze ... --scorer ablation`")
+                              "`recurformer analyze ... --scorer ablation`, or choose --scorer recency")
         return {g: -v for g, v in scores.group_values("ablation").items()}
 
 
@@ -406,10 +406,12 @@ def check_beta(beta: float) -> None:
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    """Which KV groups to replace: the top `beta` fraction under `scorer`."""
+    """Which KV groups to replace: the top `beta` fraction under `scorer`. [ours] The default
+    is `ablation`, the cheapest groups to window first: trained and training-free, it keeps
+    more than `recency` at beta 0.75 and beyond 1K tokens (docs/results/analysis.md)."""
 
     beta: float = option(0.5, "fraction of KV groups to replace, in [0, 1]")
-    scorer: str = option("recency", "which groups go first: " + " | ".join(SCORERS))
+    scorer: str = option("ablation", "which groups go first: " + " | ".join(SCORERS))
     seed: int = option(0, "seeds the random scorer and the text sample")
 
     def __post_init__(self) -> None:
