@@ -27,7 +27,7 @@ def test_a_conversion_without_replaced_groups_agrees_exactly_with_its_original(s
     same = convert(original, empty, source_model=str(folder))
     result = task.evaluate(same, tokenizer, make_options(task, {"data": [str(data), str(data)], "context": 64,
                                                                 "max_tokens": 200}))
-    assert result["kl"] == pytest.approx(0.0, abs=1e-6) and result["top1_agreement"] == 1.0
+    assert 0.0 <= result["kl"] <= 1e-6 and result["top1_agreement"] == 1.0  # a KL is never negative, rounding aside
     assert result["tokens"] == 2 * 3 * 64 and len(result["files"]) == 2
 
 

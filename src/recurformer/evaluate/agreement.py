@@ -37,7 +37,7 @@ def agreement(model, reference, windows: Tensor, progress: bool = True) -> dict:
         for (_, logits), (_, reference_logits) in zip(chunked_logits(model, hidden),
                                                           chunked_logits(reference, reference_hidden)):
             log_p, log_q = F.log_softmax(reference_logits, -1), F.log_softmax(logits, -1)
-            kl_sum += (log_p.exp() * (log_p - log_q)).sum().item()
+            kl_sum += (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0).sum().item()  # >= 0 per position; rounding is not
             same += (logits.argmax(-1) == reference_logits.argmax(-1)).sum().item()
             tokens += len(logits)
     return {"tokens": tokens, "kl": kl_sum / tokens, "top1_agreement": same / tokens}
