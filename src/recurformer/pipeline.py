@@ -61,7 +61,7 @@ from .equal_cache import equal_cache_window, window_baseline
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
 from .hub import locate, resolve_model
-from .loading import load_converted, load_model, portable_name, save_model
+from .loading import load_converted, load_model, portable_name, reusing_original, save_model
 from .memory import PeakMemory, release_freed_memory
 from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
@@ -459,16 +459,17 @@ def _evaluate(run: Run) -> dict:
     runs = {task.name: task.run_options(settings) for task in tasks}
     results: dict[str, dict[str, Any]] = {key: {} for task in tasks for key in runs[task.name]}
     run.drop_models()
-    for name in (*MODELS, BASELINE):
-        work = [(task, key, options) for task in tasks for key, options in runs[task.name].items()
-                if name in task.models_for(key)]
-        if not work:
-            continue
-        model = _evaluated_model(run, name).eval()
-        for task, key, options in work:
-            results[key][name] = task.evaluate(model, run.original[1], options)
-        del model
-        release_freed_memory()
+    with reusing_original(portable_name(run.config.model), run.original[0]):  # agreement's reference: no second copy
+        for name in (*MODELS, BASELINE):
+            work = [(task, key, options) for task in tasks for key, options in runs[task.name].items()
+                    if name in task.models_for(key)]
+            if not work:
+                continue
+            model = _evaluated_model(run, name).eval()
+            for task, key, options in work:
+                results[key][name] = task.evaluate(model, run.original[1], options)
+            del model
+            release_freed_memory()
     write_json_atomic(run.layout.evaluation, results)
     return {"evaluations": list(results), "baseline_window": run.baseline_window}
 
