@@ -2,10 +2,10 @@ import pytest
 import torch
 from tiny_models import spec_for, tiny_model, tiny_tokenizer
 
+from recurformer import loading
 from recurformer.config import ConfigError, ReplacementSpec
 from recurformer.evaluate import lookup_task, make_options
 from recurformer.evaluate.agreement import agreement
-from recurformer import loading
 from recurformer.loading import reusing_original, save_model
 from recurformer.surgery import convert
 
