@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from recurformer import HeadScores, MixerConfig, convert, select_heads
 from recurformer.data import load_documents, token_sequences, tokenize_documents
 from recurformer.mixers import Mamba2Mixer, window_recurrent
-from recurformer.ops.conv import causal_conv1d
 from recurformer.ops.ssd import ssd
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, train
 
@@ -57,7 +56,8 @@ class EvictedTailMamba2(Mamba2Mixer):
             raise NotImplementedError("the evicted-tail experiment supports an unpadded full forward only")
         batch, length = x.shape[:2]
         w = self.config.window
-        z, xs, dt, B, C = self.scan_inputs(x)
+        z, xs, dt, B, C, _ = self.scan_inputs(x)
+        dt, C = dt.float(), C.float()
         y = torch.zeros(batch, length, self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
         if length > w:
             a = (dt * self.A.float()).double()
@@ -69,16 +69,6 @@ class EvictedTailMamba2(Mamba2Mixer):
                            None, chunk_size=self.config.ssd_chunk)
             y[:, w:] = late
         return self._output(y.to(z.dtype), z)
-
-    def scan_inputs(self, x):
-        """(gate z, x `[B, T, H, P]`, dt `[B, T, H]`, B `[B, T, G, N]`, C `[B, T, H, N]`) of `x` `[B, T, d_in]`."""
-        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        xbc, _ = causal_conv1d(xbc, self.conv_weight, self.conv_bias, None)
-        xs, B, C = F.silu(xbc).split(self.conv_splits, dim=-1)
-        dt = F.softplus(dt + self.dt_bias).float()
-        xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(self.n_heads // self.n_groups, dim=2)
-        return (z, xs, dt, B.unflatten(-1, (self.n_groups, self.d_state)),
-                C.unflatten(-1, (self.n_heads, self.d_state)).float())
 
 
 def load_teacher():

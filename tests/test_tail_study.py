@@ -23,7 +23,8 @@ def test_the_evicted_tail_reads_the_state_window_steps_back(study):
     x = torch.randn(2, length, 8)
     with torch.no_grad():
         got = mixer(x)
-        z, xs, dt, B, C = mixer.scan_inputs(x)
+        z, xs, dt, B, C, _ = mixer.scan_inputs(x)
+        dt, C = dt.float(), C.float()
         A = mixer.A.float()
         y = torch.zeros(2, length, 4, 6)
         for t in range(window, length):

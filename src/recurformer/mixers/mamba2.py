@@ -129,6 +129,22 @@ class Mamba2Mixer(Mixer):
         """y `[..., H, P]`, z `[..., H*P]` -> out_proj(norm(y * silu(z))) `[..., d_out]`."""
         return self.out_proj(gated_rms_norm(y, z, self.norm_weight, _NORM_EPS))
 
+    def scan_inputs(self, x: Tensor, attention_mask: Tensor | None = None, conv_state: Tensor | None = None):
+        """Everything before the scan, for `x` `[B, T, d_in]`: (gate z `[B, T, H*P]`, x `[B, T, H, P]`,
+        dt `[B, T, H]`, B `[B, T, G, N]`, C `[B, T, H, N]`, the conv state after the last token)."""
+        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
+        if attention_mask is not None:
+            keep = attention_mask.to(xbc.dtype).unsqueeze(-1)  # [B, T, 1]
+            xbc = xbc * keep  # padding feeds zeros to the conv, as an empty history does
+        xbc, conv_state = causal_conv1d(xbc, self.conv_weight, self.conv_bias, conv_state)
+        xs, B, C = F.silu(xbc).split(self.conv_splits, dim=-1)
+        dt = F.softplus(dt + self.dt_bias)
+        if attention_mask is not None:
+            dt = dt * keep  # dt = 0: decay 1 and no input, the state passes unchanged
+        xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(self.n_heads // self.n_groups, dim=2)
+        return (z, xs, dt, B.unflatten(-1, (self.n_groups, self.d_state)),
+                C.unflatten(-1, (self.n_heads, self.d_state)), conv_state)
+
     def forward(
         self,
         x: Tensor,
@@ -136,18 +152,7 @@ class Mamba2Mixer(Mixer):
         attention_mask: Tensor | None = None,
         position_embeddings: PositionEmbeddings | None = None,
     ) -> Tensor:
-        z, xbc, dt = self.in_proj(x).split(self.splits, dim=-1)
-        if attention_mask is not None:
-            keep = attention_mask.to(xbc.dtype).unsqueeze(-1)  # [B, T, 1]
-            xbc = xbc * keep  # padding feeds zeros to the conv, as an empty history does
-        xbc, conv_state = causal_conv1d(xbc, self.conv_weight, self.conv_bias, None if state is None else state["conv"])
-        xs, B, C = F.silu(xbc).split(self.conv_splits, dim=-1)
-        dt = F.softplus(dt + self.dt_bias)  # [B, T, H]
-        if attention_mask is not None:
-            dt = dt * keep  # dt = 0: decay 1 and no input, the state passes unchanged
-        xs = xs.unflatten(-1, (self.n_groups, self.head_dim)).repeat_interleave(self.n_heads // self.n_groups, dim=2)
-        B = B.unflatten(-1, (self.n_groups, self.d_state))
-        C = C.unflatten(-1, (self.n_heads, self.d_state))
+        z, xs, dt, B, C, conv_state = self.scan_inputs(x, attention_mask, None if state is None else state["conv"])
         with torch.autocast(x.device.type, enabled=False):  # the scan runs in fp32, never autocast
             scan = ssd(
                 xs, dt, self.A.float(), B, C, self.D,
