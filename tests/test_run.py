@@ -3,6 +3,7 @@ the step-time probe, the report, and `recurformer generate`."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,6 +43,9 @@ def texts(tmp_path):
         (dict(data=[]), ConfigError, "no training data"),
         (dict(ood_data=[]), ConfigError, "no out-of-domain evaluation data: pass --ood-data"),
         (dict(ood_data=["gone.txt"]), DataError, "data file not found: gone.txt"),
+        (dict(window=0), ConfigError, "window must be a positive integer, got 0"),
+        (dict(sinks=-1), ConfigError, "sinks must be a non-negative integer, got -1"),
+        (dict(mixer="mamba", window=128), ConfigError, "--window applies to --mixer window"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -246,7 +250,23 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     assert "2 torch thread(s)" in full
     assert "| original | 4,096 | 9.50 | 10.0 | 180.0 MiB | 0.0 MiB |" in full
     assert "Quick run" not in full
+    assert "mixer `mamba`\n" in full  # a kind without a window names none
+    windowed = _metrics(False) | {"mixer": "window+mamba", "window": 140, "sinks": 4}
+    assert "mixer `window+mamba` (window 140 + 4 sinks)" in render_run_report(
+        windowed, by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
     assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
+
+
+@pytest.mark.parametrize("config, window, sinks", [
+    ({"mixer": "mamba", "window": None, "sinks": None}, None, None),
+    ({"mixer": "window+mamba2", "window": None, "sinks": None}, MixerConfig.window, MixerConfig.sinks),
+    ({"mixer": "window+mamba", "window": 140, "sinks": 2}, 140, 2),
+    ({"mixer": "window"}, MixerConfig.window, MixerConfig.sinks),  # run.json of a run made before --window
+])
+def test_metrics_record_the_window_the_mixer_was_converted_with(config, window, sinks):
+    table = by_key(metric_table()[0])
+    results = SimpleNamespace(config=config)
+    assert (table["window"].value(results), table["sinks"].value(results)) == (window, sinks)
 
 
 def test_every_metric_key_is_declared_once_and_documented():
@@ -305,6 +325,20 @@ def test_a_window_with_a_tail_trains_only_its_tail_on_longer_sequences(texts, tm
     changed = {name for name, p in after.items() if not torch.equal(p, before[name])}
     assert changed and all(".mixer.recurrent." in name or name.endswith(".mixer.gate") for name in changed)
     assert any(name.endswith(".mixer.gate") for name in changed)  # the gate opened
+
+
+def test_the_window_and_sinks_reach_the_converted_mixer(texts, tmp_path):
+    """`run --window W --sinks S` converts with that window; without them, the mixer's defaults."""
+    train, held_out = texts
+    model_dir = str(save_tiny_model(tmp_path / "tiny"))
+    stages = [stage for stage in STAGES if stage[0] in ("resolve", "analyze", "convert")]
+    for name, given, expected in (("wide", dict(window=24, sinks=2), (24, 2)),
+                                  ("default", {}, (MixerConfig.window, MixerConfig.sinks))):
+        config = RunConfig(model=model_dir, data=train, eval_data=held_out, mixer="window+mamba", quick=True, **given)
+        with pytest.raises(FileNotFoundError, match="metrics.json"):  # stops after convert: no report
+            run_pipeline(config, tmp_path / name, progress=False, stages=stages)
+        mixer = MixerConfig.from_dict(Run(config, tmp_path / name).converted("converted").config.mixer)
+        assert (mixer.kind, mixer.window, mixer.sinks) == ("window+mamba", *expected)
 
 
 @pytest.mark.parametrize("scorer, statistic", [("ablation", "ablation"), ("ablation-greedy", "ablation_order")])

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .config import WINDOW_KINDS, MixerConfig
+
 MIB = 2**20
 
 
@@ -131,11 +133,27 @@ def _config(key: str, label: str) -> Metric:
     return Metric(key, label, lambda r: r.config[key])
 
 
+def _window_field(name: str) -> Callable[[RunResults], int | None]:
+    """The converted mixer's `window` or `sinks` as run (the kind's default unless given;
+    None for a kind without a window)."""
+    def value(r: RunResults) -> int | None:
+        if r.config["mixer"] not in WINDOW_KINDS:
+            return None
+        given = r.config.get(name)  # absent from runs made before `run --window`
+        return getattr(MixerConfig, name) if given is None else given
+
+    return value
+
+
 RUN_METRICS: tuple[Metric, ...] = (
     _config("quick", "quick run (tiny sizes)"),
     _config("model", "model"),
     _config("beta", "fraction of KV groups asked to be replaced"),
     _config("mixer", "mixer kind"),
+    Metric("window", "window of the replaced heads (tokens, besides the sinks)", _window_field("window"), "{:,}",
+           unit="tokens"),
+    Metric("sinks", "sinks of the replaced heads' window (first tokens always attended)", _window_field("sinks"),
+           "{:,}", unit="tokens"),
     _config("scorer", "head scorer"),
     _config("budget_minutes", "training budget (minutes)"),
     _config("seed", "seed"),

@@ -106,6 +106,9 @@ class RunConfig:
     # [ours] not the paper's `mamba`: at equal training a window with a recurrent tail, trained
     # by the tail recipe, ends closest to the original (docs/results/mixers.md, README)
     mixer: str = option("window+mamba2", "mixer kind (docs/mixers.md)")
+    window: int | None = option(None, f"window mixers: tokens each query attends back (default {MixerConfig.window})")
+    sinks: int | None = option(None, f"window mixers: first tokens every query also attends (default "
+                               f"{MixerConfig.sinks})")
     scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
     budget_minutes: float = option(25.0, "training time of both stages together")
     steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
@@ -128,7 +131,7 @@ class RunConfig:
             if overlap:
                 raise ConfigError(f"{flag} must be held out, but {min(overlap)} is also in --data")
         SelectionConfig(self.beta, self.scorer, self.seed)
-        MixerConfig(kind=self.mixer)
+        self.mixer_config()
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
         if self.steps is not None:
             require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
@@ -141,6 +144,11 @@ class RunConfig:
         for path in [*self.data, *self.eval_data, *self.ood_data]:
             if not Path(path).is_file():
                 raise DataError(f"data file not found: {path}")
+
+    def mixer_config(self) -> MixerConfig:
+        """The mixer of the conversion: `mixer` with `window`/`sinks` where given (an error
+        for a kind without a window)."""
+        return MixerConfig.from_flags(self.mixer, window=self.window, sinks=self.sinks)
 
     @property
     def learning_rates(self) -> tuple[float, float]:
@@ -397,7 +405,7 @@ def _convert(run: Run) -> dict:
     scores = HeadScores.load(run.layout.scores)
     scores.check_model(model, run.config.model)
     spec = run.config.selection.select(scores)
-    converted = convert(model, spec, MixerConfig(kind=run.config.mixer), init="reuse", seed=run.config.seed,
+    converted = convert(model, spec, run.config.mixer_config(), init="reuse", seed=run.config.seed,
                         source_model=portable_name(run.config.model))
     save_model(converted, tokenizer, run.layout.model("converted"))
     run.keep("converted", converted)

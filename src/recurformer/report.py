@@ -128,7 +128,8 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
     shown as `table` says), then each stage's details, the configuration and bench.json;
     `evaluation` is eval.json."""
     m = metrics
-    lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`", ""]
+    window = "" if m.get("window") is None else f" (window {m['window']} + {m['sinks']} sinks)"
+    lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`{window}", ""]
     if m["quick"]:
         lines += ["> **Quick run (`--quick`): every size is tiny. These numbers check that the pipeline works; "
                   "they say nothing about the method.**", ""]
