@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMH
 
 import recurformer  # noqa: F401  (registers the Auto classes)
 from recurformer.attention import packed_decode_attention
-from recurformer.cache import HybridCache
+from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.modeling import UnsupportedArchitectureError
 from recurformer.surgery import convert, parameter_report
@@ -206,6 +206,24 @@ def test_a_plain_dynamic_cache_is_refused():
     converted = convert(model, spec_for(model, 0.5))
     with pytest.raises(TypeError, match="HybridCache"):
         converted(torch.randint(0, 97, (1, 5)), past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_the_cache_is_taken_under_either_name_and_returned_filled():
+    """transformers 5.24 renamed the cache argument `past_key_values` to `cache`: the model
+    takes it under both names (and a model built without it returns its own), and fills it."""
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="window+mamba"))
+    ids = torch.randint(0, 97, (1, 5))
+    reference = converted(ids, use_cache=True)
+    for name in ("cache", "past_key_values"):
+        cache = HybridCache(model.config.num_hidden_layers)
+        out = converted(ids, use_cache=True, **{name: cache})
+        assert out[CACHE_ARGUMENT] is cache
+        assert torch.equal(out.logits, reference.logits)
+        assert cache.get_seq_length() == 5 and cache.nbytes() == reference[CACHE_ARGUMENT].nbytes()
+        assert cache.nbytes()["mixer_state"] > 0 and cache.nbytes()["kv"] > 0
+    with pytest.raises(ValueError, match="not both"):
+        converted(ids, use_cache=True, cache=HybridCache(2), past_key_values=HybridCache(2))
 
 
 def test_unsupported_architecture_lists_the_supported_ones():

@@ -173,9 +173,12 @@ def test_decoding_in_half_precision_is_as_accurate_as_the_full_forward(arch, mix
     upcast), because the converted models' forward is itself noisier in bf16 than the
     original's (mamba2 here: ~2.5x), and a raw decode-vs-forward difference would measure
     that rather than decoding. Decode must be as close to fp32 as the forward is: mean
-    logit error within 1.2x, top-1 agreement within 1 point, and the max error (one
+    logit error within 1.2x, top-1 agreement within 1.5 points, and the max error (one
     position can be an outlier) within 3x. A state kept and updated in bf16 or fp16 misses
-    the max by 4.5x to 24x.
+    the max by 4.5x to 24x. Top-1 flips at the near-ties of a random tiny model: over every
+    arch and mixer here, with the torch or the compiled kernels (whose vector exp rounds
+    differently on AVX-512 and AVX2 machines), decode's agreement lands up to 1.06 points
+    from the forward's either way while their mean errors agree within 1%.
     """
     model = tiny_model(arch, dtype=dtype)
     if mixer == "original":
@@ -194,7 +197,7 @@ def test_decoding_in_half_precision_is_as_accurate_as_the_full_forward(arch, mix
     decode, forward = error(decoded), error(full)
     assert decode[0] <= 1.2 * forward[0], (decode, forward)
     assert decode[1] <= 3 * forward[1], (decode, forward)
-    assert decode[2] >= forward[2] - 0.01, (decode, forward)
+    assert decode[2] >= forward[2] - 0.015, (decode, forward)
 
 
 def long_memory_mixer(kind: str, dtype: torch.dtype, **config):

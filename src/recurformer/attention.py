@@ -97,15 +97,18 @@ class HybridAttention(nn.Module):
         hidden_states: Tensor,
         position_embeddings: tuple[Tensor, Tensor],
         attention_mask: Tensor | None = None,
-        past_key_values=None,
+        cache=None,
         padding_mask: Tensor | None = None,
+        past_key_values=None,
         **kwargs,
     ) -> tuple[Tensor, Tensor | None]:
         """hidden_states `[B, T, hidden]` -> output `[B, T, hidden]`, attention weights or None.
 
         `padding_mask` `[B, T_total]` (1 = token) is the 2-D mask given to the model; the mixer
-        needs it so that left padding does not enter its state.
+        needs it so that left padding does not enter its state. The decoder layer passes the
+        cache as `cache` (transformers >= 5.24) or `past_key_values` (before).
         """
+        cache = past_key_values if cache is None else cache
         batch, length = hidden_states.shape[:2]
         parts: list[Tensor] = []
         weights = None
@@ -116,8 +119,8 @@ class HybridAttention(nn.Module):
             v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            if past_key_values is not None:
-                k, v = past_key_values.update(k, v, self.layer_idx)
+            if cache is not None:
+                k, v = cache.update(k, v, self.layer_idx)
             if self._packs_decode(length, attention_mask, kwargs):
                 out = packed_decode_attention(q, k, v, attention_mask, self.scaling)
             else:
@@ -130,12 +133,12 @@ class HybridAttention(nn.Module):
                     **kwargs,
                 )
             parts.append(out.reshape(batch, length, -1))
-        elif past_key_values is not None:
+        elif cache is not None:
             # No kept heads: store nothing, but let the cache count the tokens.
             empty = hidden_states.new_empty(batch, 0, length, self.head_dim)
-            past_key_values.update(empty, empty, self.layer_idx)
+            cache.update(empty, empty, self.layer_idx)
         if self.mixer is not None:
-            parts.append(self._mix(hidden_states, past_key_values, padding_mask, position_embeddings))
+            parts.append(self._mix(hidden_states, cache, padding_mask, position_embeddings))
         return self.o_proj(torch.cat(parts, dim=-1)), weights
 
     def _packs_decode(self, length: int, attention_mask: Tensor | None, kwargs: dict) -> bool:
@@ -149,19 +152,19 @@ class HybridAttention(nn.Module):
             and (attention_mask is None or attention_mask.shape[1] == 1)
         )
 
-    def _mix(self, hidden_states: Tensor, past_key_values, padding_mask: Tensor | None, position_embeddings) -> Tensor:
+    def _mix(self, hidden_states: Tensor, cache, padding_mask: Tensor | None, position_embeddings) -> Tensor:
         batch, length = hidden_states.shape[:2]
         mask = None if padding_mask is None else padding_mask[:, -length:]
         if mask is not None and bool(mask.all()):
             mask = None
-        if past_key_values is None:
+        if cache is None:
             return self.mixer(hidden_states, None, mask, position_embeddings)
-        if not hasattr(past_key_values, "mixer_state"):
+        if not hasattr(cache, "mixer_state"):
             raise TypeError(
-                f"a RecurFormer model needs a HybridCache, got {type(past_key_values).__name__}; "
-                "pass past_key_values=None and the model creates one"
+                f"a RecurFormer model needs a HybridCache, got {type(cache).__name__}; "
+                "pass no cache and the model creates one"
             )
-        state = past_key_values.mixer_state(self.layer_idx, self.mixer, batch, hidden_states.dtype, hidden_states.device)
+        state = cache.mixer_state(self.layer_idx, self.mixer, batch, hidden_states.dtype, hidden_states.device)
         if length == 1 and mask is None:
             return self.mixer.step(hidden_states[:, 0], state, position_embeddings)[:, None]
         return self.mixer(hidden_states, state, mask, position_embeddings)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .cache import HybridCache
+from .cache import CACHE_ARGUMENT, HybridCache
 from .config import ConfigError, option, require
 from .memory import PeakMemory
 
@@ -109,14 +109,14 @@ def measure(
     with PeakMemory(interval=0.002, settle=True) as memory:
         cache = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()
-        out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(prompt, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
         prefill = time.perf_counter() - start
         kv, reserved, state = cache_bytes(cache)
         token = out.logits[:, -1:].argmax(-1)
         times = []
         for step in range(warmup + decode_steps):
             start = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
+            out = model(token, use_cache=True, **{CACHE_ARGUMENT: cache})
             if step >= warmup:
                 times.append(time.perf_counter() - start)
             token = out.logits[:, -1:].argmax(-1)

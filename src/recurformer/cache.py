@@ -8,11 +8,20 @@ No token is evicted.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.models.llama.modeling_llama import LlamaModel
 
 from .mixers import Mixer, MixerState
+
+
+# transformers 5.24 renamed the cache argument of models and layers (and the key of
+# `generate`'s model kwargs) from `past_key_values` to `cache`, the old name deprecated: we
+# pass and read whichever the installed version's models take.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
 class HybridLayer(DynamicLayer):

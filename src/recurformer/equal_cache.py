@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import CACHE_ARGUMENT
 from .config import MixerConfig, ReplacementSpec
 from .surgery import convert
 
@@ -20,7 +21,7 @@ from .surgery import convert
 def mixer_state_bytes(model) -> int:
     """Bytes of the replaced groups' state in `model`'s cache (batch 1). Every mixer allocates
     its state whole on first use, so a two-token forward shows its size at any length."""
-    cache = model(torch.zeros(1, 2, dtype=torch.long), use_cache=True).past_key_values
+    cache = model(torch.zeros(1, 2, dtype=torch.long), use_cache=True)[CACHE_ARGUMENT]
     return cache.nbytes()["mixer_state"]
 
 

@@ -20,7 +20,7 @@ from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import HybridAttention
-from .cache import HybridCache
+from .cache import CACHE_ARGUMENT, HybridCache
 from .config import ConfigError, MixerConfig, ReplacementSpec
 from .errors import RecurformerError
 
@@ -84,7 +84,7 @@ class RecurFormerPreTrainedModel(PreTrainedModel):
     config_class = RecurFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_attention_backend = True
@@ -116,27 +116,32 @@ class RecurFormerForCausalLM(RecurFormerPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: HybridCache | None = None,
+        cache: HybridCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: HybridCache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """As the base model's forward; with `use_cache`, the cache is a `HybridCache`."""
+        """As the base model's forward; with `use_cache`, the cache is a `HybridCache`, given
+        as `cache` or (the name before transformers 5.24) `past_key_values`."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the cache once, as cache= or past_key_values=, not both")
+        cache = past_key_values if cache is None else cache
         if use_cache is None:
             use_cache = bool(self.config.text_config.use_cache) and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = HybridCache(self.config.text_config.num_hidden_layers)
+        if use_cache and cache is None:
+            cache = HybridCache(self.config.text_config.num_hidden_layers)
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             padding_mask=padding_mask,
+            **{CACHE_ARGUMENT: cache},
             **kwargs,
         )
         hidden = outputs.last_hidden_state
@@ -148,19 +153,19 @@ class RecurFormerForCausalLM(RecurFormerPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values if use_cache else None,
+            past_key_values=cache if use_cache else None,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+        if model_kwargs.get(CACHE_ARGUMENT) is None and generation_config.use_cache is not False:
             if generation_config.cache_implementation not in (None, "dynamic"):
                 raise ValueError(
                     f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
                     "RecurFormer models use their own HybridCache"
                 )
-            model_kwargs["past_key_values"] = HybridCache(self.config.text_config.num_hidden_layers)
+            model_kwargs[CACHE_ARGUMENT] = HybridCache(self.config.text_config.num_hidden_layers)
             return None
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
