@@ -46,6 +46,8 @@ def texts(tmp_path):
         (dict(window=0), ConfigError, "window must be a positive integer, got 0"),
         (dict(sinks=-1), ConfigError, "sinks must be a non-negative integer, got -1"),
         (dict(mixer="mamba", window=128), ConfigError, "--window applies to --mixer window"),
+        (dict(mixer="window", ssd_state=16), ConfigError, "--ssd-state applies to --mixer mamba2"),
+        (dict(ssd_state=0), ConfigError, "ssd_state must be 'head_dim' or a positive integer, got 0"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -122,6 +124,13 @@ def test_the_default_run_trains_a_window_with_a_recurrent_tail_by_the_tail_recip
     train, held_out = texts
     run = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
     assert run.config.mixer == "window+mamba2" and run.tail_recipe
+    mixer = run.config.mixer_config()  # RUN_SHAPES: a longer window and a small tail state
+    assert (mixer.kind, mixer.window, mixer.sinks, mixer.ssd_state) == ("window+mamba2", 141, 4, 16)
+    recorded = run.config.to_dict()  # what run.json stores
+    assert (recorded["window"], recorded["ssd_state"]) == (141, 16)
+    given = RunConfig(data=train, eval_data=held_out, window=64, ssd_state="head_dim").mixer_config()
+    assert (given.window, given.ssd_state) == (64, "head_dim")  # flags win over the run's shape
+    assert RunConfig(data=train, eval_data=held_out, mixer="mamba2").mixer_config().ssd_state == "head_dim"
     lm = run.train_config("lm", 1)  # 4 x 1,024 tokens, KL to the original alone, one sequence per micro-batch
     assert (lm.trainable, lm.ce_weight, lm.lr, lm.batch_size, lm.seq_len, lm.grad_accum) == ("tail", 0.0, 2e-4, 4, 1024, 4)
 
@@ -267,6 +276,14 @@ def test_metrics_record_the_window_the_mixer_was_converted_with(config, window, 
     table = by_key(metric_table()[0])
     results = SimpleNamespace(config=config)
     assert (table["window"].value(results), table["sinks"].value(results)) == (window, sinks)
+
+
+def test_metrics_record_the_ssd_state_of_the_mamba2_kinds():
+    table = by_key(metric_table()[0])
+    value = lambda **config: table["ssd_state"].value(SimpleNamespace(config=config))  # noqa: E731
+    assert value(mixer="window+mamba2", ssd_state=16) == 16
+    assert value(mixer="mamba2") == "head_dim"  # a run made before --ssd-state
+    assert value(mixer="window+mamba", ssd_state=None) is None
 
 
 def test_every_metric_key_is_declared_once_and_documented():

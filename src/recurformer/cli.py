@@ -109,7 +109,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-MIXER_FLAGS = ("window", "sinks", "state_dtype")  # the MixerConfig fields `convert` takes as flags
+MIXER_FLAGS = ("window", "sinks", "ssd_state", "state_dtype")  # the MixerConfig fields `convert` takes as flags
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

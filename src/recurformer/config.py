@@ -40,6 +40,15 @@ def option(default: Any = None, help: str = "", factory: Callable[[], Any] | Non
     return field(default=default, metadata=metadata)
 
 
+def parse_ssd_state(text: str) -> int | str:
+    """`--ssd-state`: a positive integer or `head_dim`."""
+    if text == "head_dim":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"ssd_state must be 'head_dim' or a positive integer, got {text!r}")
+    return int(text)
+
+
 def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
@@ -83,7 +92,9 @@ class MixerConfig:
     conv_bias: bool = True  # mamba, mamba2
     proj_bias: bool = False  # mamba, mamba2: biases on in_proj and out_proj
     scan_backend: str = "auto"  # mamba, mamba2
-    ssd_state: int | str = "head_dim"  # mamba2: state size N per head; "head_dim": N = head_dim
+    ssd_state: int | str = option("head_dim", "mamba2 kinds: state size N per head (an integer, or head_dim)",
+                                  kinds=("mamba2", "window+mamba2"), parse=lambda text: parse_ssd_state(text),
+                                  metavar="N")
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
     window: int = option(64, "window mixers: tokens each query attends back, itself included", kinds=WINDOW_KINDS)

@@ -13,10 +13,10 @@ belongs in the summary) here, one line in docs/run.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from .config import WINDOW_KINDS, MixerConfig
+from .config import MixerConfig
 
 MIB = 2**20
 
@@ -133,13 +133,15 @@ def _config(key: str, label: str) -> Metric:
     return Metric(key, label, lambda r: r.config[key])
 
 
-def _window_field(name: str) -> Callable[[RunResults], int | None]:
-    """The converted mixer's `window` or `sinks` as run (the kind's default unless given;
-    None for a kind without a window)."""
-    def value(r: RunResults) -> int | None:
-        if r.config["mixer"] not in WINDOW_KINDS:
+def _mixer_field(name: str) -> Callable[[RunResults], Any]:
+    """The converted mixer's field `name` as run: the run's value (run.json), the library's
+    default for runs made before the flag existed, None for a kind that does not read it."""
+    kinds = next(f for f in fields(MixerConfig) if f.name == name).metadata["kinds"]
+
+    def value(r: RunResults) -> Any:
+        if r.config["mixer"] not in kinds:
             return None
-        given = r.config.get(name)  # absent from runs made before `run --window`
+        given = r.config.get(name)
         return getattr(MixerConfig, name) if given is None else given
 
     return value
@@ -150,10 +152,11 @@ RUN_METRICS: tuple[Metric, ...] = (
     _config("model", "model"),
     _config("beta", "fraction of KV groups asked to be replaced"),
     _config("mixer", "mixer kind"),
-    Metric("window", "window of the replaced heads (tokens, besides the sinks)", _window_field("window"), "{:,}",
+    Metric("window", "window of the replaced heads (tokens, besides the sinks)", _mixer_field("window"), "{:,}",
            unit="tokens"),
-    Metric("sinks", "sinks of the replaced heads' window (first tokens always attended)", _window_field("sinks"),
+    Metric("sinks", "sinks of the replaced heads' window (first tokens always attended)", _mixer_field("sinks"),
            "{:,}", unit="tokens"),
+    Metric("ssd_state", "Mamba-2 state size per head", _mixer_field("ssd_state")),
     _config("scorer", "head scorer"),
     _config("budget_minutes", "training budget (minutes)"),
     _config("seed", "seed"),
