@@ -153,7 +153,7 @@ class RecurFormerForCausalLM(RecurFormerPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=cache if use_cache else None,
+            **{CACHE_ARGUMENT: cache if use_cache else None},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
