@@ -344,6 +344,15 @@ def test_a_window_with_a_tail_trains_only_its_tail_on_longer_sequences(texts, tm
     assert any(name.endswith(".mixer.gate") for name in changed)  # the gate opened
 
 
+def test_a_window_beyond_the_models_positions_stops_the_run_before_any_work(texts, tmp_path):
+    train, held_out = texts
+    config = RunConfig(model=str(save_tiny_model(tmp_path / "tiny")), data=train, eval_data=held_out, quick=True,
+                       window=513)  # the tiny models hold 512 positions
+    with pytest.raises(ConfigError, match=r"window 513 is larger than the model's position limit \(512 positions\)"):
+        run_pipeline(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "scores.json").exists() and not (tmp_path / "run" / "stages").exists()
+
+
 def test_the_window_and_sinks_reach_the_converted_mixer(texts, tmp_path):
     """`run --window W --sinks S` converts with that window; without them, the mixer's defaults."""
     train, held_out = texts

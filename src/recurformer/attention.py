@@ -21,6 +21,13 @@ from .config import ConfigError, MixerConfig
 from .mixers import HeadShape, build_mixer
 
 
+def check_window_fits(config, mixer_config: MixerConfig) -> None:
+    """A window kind's window must fit in the positions of the model `config` describes."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if mixer_config.has_window and limit is not None and mixer_config.window > limit:
+        raise ConfigError(f"window {mixer_config.window} is larger than the model's position limit ({limit} positions)")
+
+
 def packed_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
     """One decode step's attention, each K/V head read once: q `[B, Hq, 1, D]`, k and v
     `[B, Hkv, T, D]`, mask None or `[B, 1, 1, T]` (bool or additive) -> `[B, 1, Hq, D]`.
@@ -79,11 +86,7 @@ class HybridAttention(nn.Module):
             self.v_proj = nn.Linear(hidden, len(self.kept_kv_heads) * self.head_dim, bias=qkv_bias)
         self.mixer = None
         if replaced_q:
-            limit = getattr(config, "max_position_embeddings", None)
-            if mixer_config.has_window and limit is not None and mixer_config.window > limit:
-                raise ConfigError(
-                    f"window {mixer_config.window} is larger than the model's position limit ({limit} positions)"
-                )
+            check_window_fits(config, mixer_config)
             heads = HeadShape(replaced_q, len(self.replaced_kv_heads), self.head_dim, qkv_bias)
             self.mixer = build_mixer(hidden, heads, mixer_config)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, hidden, bias=o_bias)

@@ -93,7 +93,7 @@ class MixerConfig:
     proj_bias: bool = False  # mamba, mamba2: biases on in_proj and out_proj
     scan_backend: str = "auto"  # mamba, mamba2
     ssd_state: int | str = option("head_dim", "mamba2 kinds: state size N per head (an integer, or head_dim)",
-                                  kinds=("mamba2", "window+mamba2"), parse=lambda text: parse_ssd_state(text),
+                                  kinds=("mamba2", "window+mamba2"), parse=parse_ssd_state,
                                   metavar="N")
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate

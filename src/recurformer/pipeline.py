@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from .ablation import AblationConfig
+from .attention import check_window_fits
 from .bench import BenchConfig, against_original
 from .config import ConfigError, MixerConfig, option, parse_ssd_state, require
 from .data import (
@@ -113,12 +114,13 @@ class RunConfig:
     # [ours] not the paper's `mamba`: at equal training a window with a recurrent tail, trained
     # by the tail recipe, ends closest to the original (docs/results/mixers.md, README)
     mixer: str = option("window+mamba2", "mixer kind (docs/mixers.md)")
-    window: int | None = option(None, "window mixers: tokens each query attends back (default: 141 for "
-                                f"window+mamba2, else {MixerConfig.window})")
+    window: int | None = option(None, "window mixers: tokens each query attends back (default: "
+                                f"{RUN_SHAPES['window+mamba2']['window']} for window+mamba2, else {MixerConfig.window})")
     sinks: int | None = option(None, f"window mixers: first tokens every query also attends (default "
                                f"{MixerConfig.sinks})")
-    ssd_state: int | str | None = option(None, "mamba2 kinds: state size per head (default: 16 for window+mamba2, "
-                                         "head_dim for mamba2)", parse=parse_ssd_state, metavar="N")
+    ssd_state: int | str | None = option(None, "mamba2 kinds: state size per head (default: "
+                                         f"{RUN_SHAPES['window+mamba2']['ssd_state']} for window+mamba2, "
+                                         f"{MixerConfig.ssd_state} for mamba2)", parse=parse_ssd_state, metavar="N")
     scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
     budget_minutes: float = option(25.0, "training time of both stages together")
     steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
@@ -388,9 +390,12 @@ def evaluation_tokens(settings: RunSettings) -> int:
 
 
 def _resolve(run: Run) -> dict:
-    """Fetch the model, and check before any long work that the evaluation texts are long enough."""
+    """Fetch the model, and check before any long work that it takes the mixer and that the
+    evaluation texts are long enough."""
     directory = resolve_model(run.config.model)
-    check_architecture(AutoConfig.from_pretrained(directory))
+    config = AutoConfig.from_pretrained(directory)
+    check_architecture(config)
+    check_window_fits(config, run.config.mixer_config())
     needed = evaluation_tokens(run.task_settings())
     for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
         tokens = len(tokenize_documents(run.original[1], load_documents(paths)))
