@@ -5,6 +5,9 @@ training), in one process.
 Writes bench.json and bench.png to `--out` (default docs/results), and prints a markdown table.
 
     python benchmarks/bench.py [--contexts 512,2048,8150] [--decode-steps 32] [--rounds 3] [--variants mamba:0.5,window:0.5] [--out DIR]
+
+A variant is `mixer:beta`, optionally followed by `:window=W` and `:ssd_state=N` (`run`'s
+default shape: `window+mamba2:0.5:window=141:ssd_state=16`).
 """
 
 from __future__ import annotations
@@ -23,12 +26,24 @@ RESULTS = ROOT / "docs" / "results"
 VARIANTS = "mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,window+mamba2:0.5"
 
 
+def parse_variant(text: str) -> tuple[str, float, dict[str, int]]:
+    """`mixer:beta[:window=W][:ssd_state=N]` -> (mixer, beta, the shape fields given)."""
+    mixer, beta, *fields = text.split(":")
+    shape = {}
+    for field in fields:
+        key, _, value = field.partition("=")
+        if key not in ("window", "ssd_state") or not value.isdigit():
+            raise SystemExit(f"bench.py: bad variant field {field!r} in {text!r} (window=W or ssd_state=N)")
+        shape[key] = int(value)
+    return mixer, float(beta), shape
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--contexts", default="512,2048,8150")
-    parser.add_argument("--variants", default=VARIANTS, help="mixer:beta,...")
+    parser.add_argument("--variants", default=VARIANTS, help="mixer:beta[:window=W][:ssd_state=N],...")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="ratios are medians over rounds, with their range")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
@@ -37,12 +52,13 @@ def main() -> None:
     work = Path(args.work)
     names = {}
     for variant in args.variants.split(","):
-        mixer, beta = variant.split(":")
-        out = work / f"{mixer}-beta{beta}"
+        mixer, beta, shape = parse_variant(variant)
+        suffix = "".join(f"-{key}{value}" for key, value in shape.items())
+        out = work / f"{mixer}-beta{beta}{suffix}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta), scorer="recency"), MixerConfig(kind=mixer),
-                            force=True)
-        names[str(out)] = f"{mixer} beta {beta}"
+            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=beta, scorer="recency"),
+                            MixerConfig(kind=mixer, **shape), force=True)
+        names[str(out)] = f"{mixer} beta {beta}" + "".join(f" {key} {value}" for key, value in shape.items())
     dirs = list(names)
     config = BenchConfig(contexts=parse_contexts(args.contexts), decode_steps=args.decode_steps, rounds=args.rounds)
     folder = Path(args.out)

@@ -101,3 +101,15 @@ def test_cache_bytes_count_what_is_held_and_what_is_reserved():
     assert (held, reserved, state) == (20 * per_token, 100 * per_token, 0)
     held, reserved, state = cache_bytes(hybrid)
     assert held == 20 * per_token // 2 and reserved >= held and state > 0
+
+
+def test_bench_script_variants_name_their_shape():
+    from benchmark_scripts import benchmark_script
+
+    with benchmark_script("bench") as script:
+        assert script.parse_variant("mamba:0.75") == ("mamba", 0.75, {})
+        assert script.parse_variant("window+mamba2:0.5:window=141:ssd_state=16") == (
+            "window+mamba2", 0.5, {"window": 141, "ssd_state": 16})
+        for bad in ("window:0.5:width=64", "window:0.5:window=-1", "window:0.5:window"):
+            with pytest.raises(SystemExit, match="bad variant field"):
+                script.parse_variant(bad)
