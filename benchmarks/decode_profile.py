@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from recurformer.bench import new_cache
+from recurformer.cache import CACHE_ARGUMENT
 from recurformer.commands import convert_command
 from recurformer.config import MixerConfig
 from recurformer.files import write_json_atomic
@@ -114,7 +115,7 @@ class Decoder:
         prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
         self.cache = new_cache(model, cache_kind, context + steps + 8)
         with torch.no_grad():
-            out = model(prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            out = model(prompt, **{CACHE_ARGUMENT: self.cache}, use_cache=True, logits_to_keep=1)
         self.token = out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
@@ -122,7 +123,7 @@ class Decoder:
         """One decode step: milliseconds by part, and `total`."""
         timer = attach(self.model, self.cache)
         start = time.perf_counter()
-        out = self.model(self.token, past_key_values=self.cache, use_cache=True,
+        out = self.model(self.token, **{CACHE_ARGUMENT: self.cache}, use_cache=True,
                          cache_position=torch.tensor([self.position]))
         total = time.perf_counter() - start
         timer.detach()

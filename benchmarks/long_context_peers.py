@@ -38,6 +38,7 @@ from torch import Tensor
 
 from recurformer import HeadScores, MixerConfig, convert, make_scorer, select_heads
 from recurformer.bench import cache_bytes, new_cache
+from recurformer.cache import CACHE_ARGUMENT
 from recurformer.equal_cache import equal_cache_window
 from recurformer.evaluate.logits import chunked_logits
 from recurformer.files import write_json_atomic
@@ -56,10 +57,10 @@ def prefilled_nll(model, sequence: Tensor, prefix: int, cache) -> Tensor:
     """NLL (nats) `[T - prefix - 1]` of tokens `prefix + 1 ...` of `sequence` `[T]`, predicted
     with `cache` prefilled by the first `prefix` tokens; the cache then holds `T - 1` tokens."""
     decoder = model.get_decoder()
-    decoder(input_ids=sequence[None, :prefix], past_key_values=cache, use_cache=True)
+    decoder(input_ids=sequence[None, :prefix], **{CACHE_ARGUMENT: cache}, use_cache=True)
     rest = sequence[prefix:-1]
     positions = torch.arange(prefix, prefix + len(rest))[None]
-    hidden = decoder(input_ids=rest[None], past_key_values=cache, position_ids=positions,
+    hidden = decoder(input_ids=rest[None], **{CACHE_ARGUMENT: cache}, position_ids=positions,
                      use_cache=True).last_hidden_state[0]
     nll = torch.empty(len(rest))
     for part, logits in chunked_logits(model, hidden):
@@ -72,13 +73,13 @@ def greedy_answer(model, ids: list[int], question_start: int, cache, new_tokens:
     """Prefill the context `ids[:question_start]`, feed the question at its positions, then
     `new_tokens` greedy tokens (the answer's ids)."""
     context, question = torch.tensor(ids[:question_start])[None], torch.tensor(ids[question_start:])[None]
-    model.get_decoder()(input_ids=context, past_key_values=cache, use_cache=True)
+    model.get_decoder()(input_ids=context, **{CACHE_ARGUMENT: cache}, use_cache=True)
     position = question_start
     answer: list[int] = []
     step = question
     while len(answer) < new_tokens:
         positions = torch.arange(position, position + step.shape[1])[None]
-        logits = model(input_ids=step, past_key_values=cache, position_ids=positions, use_cache=True,
+        logits = model(input_ids=step, **{CACHE_ARGUMENT: cache}, position_ids=positions, use_cache=True,
                        logits_to_keep=1).logits
         answer.append(int(logits[0, -1].argmax()))
         position += step.shape[1]

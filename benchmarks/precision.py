@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import recurformer
 from recurformer import HeadScores, HybridCache, MixerConfig, ReplacementSpec, convert, select_heads
+from recurformer.cache import CACHE_ARGUMENT
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -86,9 +87,9 @@ def decode_drift(model, ids: torch.Tensor, prompt: int, cache) -> dict:
     far more than the original, and only the excess of decode over forward is decoding's."""
     full = model(ids, use_cache=False).logits
     start = time.perf_counter()
-    steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+    steps = [model(ids[:, :prompt], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
     for t in range(prompt, ids.shape[1]):
-        steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        steps.append(model(ids[:, t : t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
     seconds = time.perf_counter() - start
     decoded = torch.cat(steps, dim=1)
     reference = copy.deepcopy(model).float()(ids, use_cache=False).logits

@@ -5,6 +5,7 @@ import torch
 from tiny_models import save_tiny_model, spec_for, tiny_model
 
 from recurformer.bench import cache_bytes, compare, max_context, median_measurements, new_cache
+from recurformer.cache import CACHE_ARGUMENT
 from recurformer.config import MixerConfig
 from recurformer.memory import PeakMemory
 from recurformer.cli import main
@@ -92,10 +93,10 @@ def test_cache_bytes_count_what_is_held_and_what_is_reserved():
     prompt = torch.randint(0, 97, (1, 20))
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 12 * 4  # K and V, fp32
     with torch.no_grad():
-        static = model(prompt, past_key_values=new_cache(model, "static", 100), use_cache=True).past_key_values
-        dynamic = model(prompt, past_key_values=new_cache(model, "dynamic", 100), use_cache=True).past_key_values
+        static = model(prompt, **{CACHE_ARGUMENT: new_cache(model, "static", 100)}, use_cache=True).past_key_values
+        dynamic = model(prompt, **{CACHE_ARGUMENT: new_cache(model, "dynamic", 100)}, use_cache=True).past_key_values
         converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="mamba"))
-        hybrid = converted(prompt, past_key_values=new_cache(converted, "hybrid", 100), use_cache=True).past_key_values
+        hybrid = converted(prompt, **{CACHE_ARGUMENT: new_cache(converted, "hybrid", 100)}, use_cache=True).past_key_values
     assert cache_bytes(dynamic) == (20 * per_token, 20 * per_token, 0)
     held, reserved, state = cache_bytes(static)
     assert (held, reserved, state) == (20 * per_token, 100 * per_token, 0)

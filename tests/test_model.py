@@ -52,9 +52,9 @@ def test_forward_equals_prefill_then_decode(arch, mixer, beta, prompt):
     full = logits(converted, ids)
     with torch.no_grad():
         cache = HybridCache(model.config.num_hidden_layers)
-        steps = [converted(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+        steps = [converted(ids[:, :prompt], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
         for t in range(prompt, ids.shape[1]):
-            steps.append(converted(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            steps.append(converted(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
     assert cache.get_seq_length() == ids.shape[1]
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-4
 
@@ -74,11 +74,11 @@ def test_left_padded_batch_equals_each_prompt_alone(arch, attn, mixer):
     with torch.no_grad():
         cache = HybridCache(2)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        batched = [converted(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1:]]
+        batched = [converted(ids, attention_mask=mask, position_ids=positions, **{CACHE_ARGUMENT: cache}).logits[:, -1:]]
         for t in range(decode):
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], 1)
             position = positions[:, -1:] + 1 + t
-            step = converted(new_tokens[:, t:t + 1], attention_mask=mask, position_ids=position, past_key_values=cache)
+            step = converted(new_tokens[:, t:t + 1], attention_mask=mask, position_ids=position, **{CACHE_ARGUMENT: cache})
             batched.append(step.logits)
         batched = torch.cat(batched, 1)
         for i, p in enumerate(prompts):
@@ -186,7 +186,7 @@ def test_cache_bytes(arch, mixer, beta):
     for length in (40, 200):
         ids = torch.randint(0, 97, (2, length))
         with torch.no_grad():
-            original = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
+            original = model(ids, **{CACHE_ARGUMENT: DynamicCache()}, use_cache=True).past_key_values
             hybrid = converted(ids, use_cache=True).past_key_values
         original_kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in original)
         kept = 1 - spec.fraction
@@ -336,11 +336,11 @@ def test_decode_steps_write_into_the_buffers_they_have(mixer):
         cache = converted(torch.randint(0, 97, (2, 250)), use_cache=True).past_key_values
         before, state = storage(cache), storage(cache, kv=False)
         for _ in range(6):  # 250 + 6 = 256 tokens: the first block, full
-            converted(torch.randint(0, 97, (2, 1)), past_key_values=cache, use_cache=True)
+            converted(torch.randint(0, 97, (2, 1)), **{CACHE_ARGUMENT: cache}, use_cache=True)
         assert storage(cache) == before
         layer = next(layer for layer in cache.layers if layer.keys.shape[1] > 0)
         assert layer.keys.data_ptr() == layer._key_buffer.data_ptr() and layer.keys.shape[-2] == 256
-        converted(torch.randint(0, 97, (2, 1)), past_key_values=cache, use_cache=True)
+        converted(torch.randint(0, 97, (2, 1)), **{CACHE_ARGUMENT: cache}, use_cache=True)
     assert storage(cache, kv=False) == state
     assert layer._key_buffer.shape[-2] == 512 and layer.keys.shape[-2] == 257
 

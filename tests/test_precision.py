@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import recurformer  # noqa: F401  (registers the Auto classes)
-from recurformer.cache import HybridCache
+from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.mixers import build_mixer, state_dtype
 from recurformer.ops.conv import causal_conv1d, causal_conv1d_step
@@ -147,9 +147,9 @@ LONG_MEMORY = {
 def decode_and_full(model, ids: torch.Tensor, prompt: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of prefill + one-token steps, and of one full forward `[1, T, V]`."""
     with torch.no_grad():
-        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+        steps = [model(ids[:, :prompt], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
         for t in range(prompt, ids.shape[1]):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            steps.append(model(ids[:, t : t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
     return torch.cat(steps, dim=1).float(), logits(model, ids).float()
 
 
