@@ -28,14 +28,19 @@ VARIANTS = "mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+
 
 def parse_variant(text: str) -> tuple[str, float, dict[str, int]]:
     """`mixer:beta[:window=W][:ssd_state=N]` -> (mixer, beta, the shape fields given)."""
-    mixer, beta, *fields = text.split(":")
+    mixer, _, rest = text.partition(":")
+    beta, *fields = rest.split(":")
+    try:
+        beta = float(beta)
+    except ValueError:
+        raise SystemExit(f"bench.py: bad variant {text!r}: expected mixer:beta, for example window:0.5") from None
     shape = {}
     for field in fields:
         key, _, value = field.partition("=")
         if key not in ("window", "ssd_state") or not value.isdigit():
             raise SystemExit(f"bench.py: bad variant field {field!r} in {text!r} (window=W or ssd_state=N)")
         shape[key] = int(value)
-    return mixer, float(beta), shape
+    return mixer, beta, shape
 
 
 def main() -> None:

@@ -93,10 +93,10 @@ def test_cache_bytes_count_what_is_held_and_what_is_reserved():
     prompt = torch.randint(0, 97, (1, 20))
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 12 * 4  # K and V, fp32
     with torch.no_grad():
-        static = model(prompt, **{CACHE_ARGUMENT: new_cache(model, "static", 100)}, use_cache=True).past_key_values
-        dynamic = model(prompt, **{CACHE_ARGUMENT: new_cache(model, "dynamic", 100)}, use_cache=True).past_key_values
+        static = model(prompt, **{CACHE_ARGUMENT: new_cache(model, "static", 100)}, use_cache=True)[CACHE_ARGUMENT]
+        dynamic = model(prompt, **{CACHE_ARGUMENT: new_cache(model, "dynamic", 100)}, use_cache=True)[CACHE_ARGUMENT]
         converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="mamba"))
-        hybrid = converted(prompt, **{CACHE_ARGUMENT: new_cache(converted, "hybrid", 100)}, use_cache=True).past_key_values
+        hybrid = converted(prompt, **{CACHE_ARGUMENT: new_cache(converted, "hybrid", 100)}, use_cache=True)[CACHE_ARGUMENT]
     assert cache_bytes(dynamic) == (20 * per_token, 20 * per_token, 0)
     held, reserved, state = cache_bytes(static)
     assert (held, reserved, state) == (20 * per_token, 100 * per_token, 0)
@@ -113,4 +113,7 @@ def test_bench_script_variants_name_their_shape():
             "window+mamba2", 0.5, {"window": 141, "ssd_state": 16})
         for bad in ("window:0.5:width=64", "window:0.5:window=-1", "window:0.5:window"):
             with pytest.raises(SystemExit, match="bad variant field"):
+                script.parse_variant(bad)
+        for bad in ("window", "window:half"):
+            with pytest.raises(SystemExit, match="expected mixer:beta"):
                 script.parse_variant(bad)

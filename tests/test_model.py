@@ -186,8 +186,8 @@ def test_cache_bytes(arch, mixer, beta):
     for length in (40, 200):
         ids = torch.randint(0, 97, (2, length))
         with torch.no_grad():
-            original = model(ids, **{CACHE_ARGUMENT: DynamicCache()}, use_cache=True).past_key_values
-            hybrid = converted(ids, use_cache=True).past_key_values
+            original = model(ids, **{CACHE_ARGUMENT: DynamicCache()}, use_cache=True)[CACHE_ARGUMENT]
+            hybrid = converted(ids, use_cache=True)[CACHE_ARGUMENT]
         original_kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in original)
         kept = 1 - spec.fraction
         assert hybrid.nbytes()["kv"] == kept * original_kv
@@ -310,7 +310,7 @@ def test_kv_buffers_grow_by_blocks():
     model = tiny_model("llama")
     converted = convert(model, spec_for(model, 0.5), init="random")
     with torch.no_grad():
-        cache = converted(torch.randint(0, 97, (1, 300)), use_cache=True).past_key_values
+        cache = converted(torch.randint(0, 97, (1, 300)), use_cache=True)[CACHE_ARGUMENT]
     sizes = cache.nbytes()
     per_token = sizes["kv"] / 300
     assert sizes["kv_reserved"] == per_token * 512  # 300 tokens -> two blocks of 256
@@ -333,7 +333,7 @@ def test_decode_steps_write_into_the_buffers_they_have(mixer):
     model = tiny_model("llama")
     converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     with torch.no_grad():
-        cache = converted(torch.randint(0, 97, (2, 250)), use_cache=True).past_key_values
+        cache = converted(torch.randint(0, 97, (2, 250)), use_cache=True)[CACHE_ARGUMENT]
         before, state = storage(cache), storage(cache, kv=False)
         for _ in range(6):  # 250 + 6 = 256 tokens: the first block, full
             converted(torch.randint(0, 97, (2, 1)), **{CACHE_ARGUMENT: cache}, use_cache=True)
@@ -350,7 +350,7 @@ def test_beam_reorder_permutes_rows_in_place(mixer):
     model = tiny_model("llama")
     converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     with torch.no_grad():
-        cache = converted(torch.randint(0, 97, (3, 20)), use_cache=True).past_key_values
+        cache = converted(torch.randint(0, 97, (3, 20)), use_cache=True)[CACHE_ARGUMENT]
     before = storage(cache)
     rows = [(layer.keys.clone(), {k: t.clone() for k, t in layer.mixer_state.items()}) for layer in cache.layers]
     order = torch.tensor([2, 0, 0])
@@ -367,7 +367,7 @@ def test_crop_is_refused_once_a_mixer_state_exists(mixer):
     model = tiny_model("llama")
     converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
     with torch.no_grad():
-        cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True).past_key_values
+        cache = converted(torch.randint(0, 97, (1, 10)), use_cache=True)[CACHE_ARGUMENT]
     with pytest.raises(ValueError, match="cannot be rolled back"):
         cache.crop(5)
 
