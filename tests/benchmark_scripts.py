@@ -1,26 +1,21 @@
-"""Load a script of `benchmarks/` as a module, as it runs: with its folder on `sys.path`, so
-that its imports of sibling scripts work, and registered in `sys.modules` (dataclasses look
-their module up while the file runs)."""
+"""Import a script of `benchmarks/` as the module it is when run (`python -m
+benchmarks.<room>.<name>`), with the repository root on `sys.path` while it is in use."""
 
-import importlib.util
+import importlib
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextmanager
 def benchmark_script(name: str) -> Iterator[ModuleType]:
-    """The module of `benchmarks/<name>.py`, importable siblings included while it is in use."""
-    sys.path.insert(0, str(BENCHMARKS))
+    """The module `benchmarks.<name>` (`name`: `room.script`, e.g. `speed.bench`)."""
+    sys.path.insert(0, str(ROOT))
     try:
-        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        yield module
+        yield importlib.import_module(f"benchmarks.{name}")
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path.remove(str(ROOT))

@@ -6,7 +6,7 @@ from recurformer import loading
 from recurformer.config import ConfigError, ReplacementSpec
 from recurformer.evaluate import lookup_task, make_options
 from recurformer.evaluate.agreement import agreement
-from recurformer.loading import reusing_original, save_model
+from recurformer.loading import save_model
 from recurformer.surgery import convert
 
 TEXT = " = A =\nThe quick brown fox jumps over the lazy dog, again and again.\n" * 40
@@ -52,18 +52,17 @@ def test_the_model_must_be_converted_and_the_reference_original(setup, tmp_path)
                                                                 "reference": str(tmp_path / "converted")}))
 
 
-def test_a_reused_original_is_not_loaded_again(setup, monkeypatch):
+def test_a_given_original_is_not_loaded_again(setup, monkeypatch):
     original, tokenizer, folder, data, task = setup
     converted = convert(original, spec_for(original, 0.5), source_model=str(folder))
     options = make_options(task, {"data": [str(data)], "context": 64, "max_tokens": 128})
-    alone = task.evaluate(converted, tokenizer, options)
+    alone = task.measure(converted, tokenizer, options)  # loads the original it records
 
     def never(*args, **kwargs):
         raise AssertionError("the original was loaded a second time")
 
     monkeypatch.setattr(loading, "load_model", never)
-    with reusing_original(str(folder), original):
-        reused = task.evaluate(converted, tokenizer, options)
-    assert reused["kl"] == pytest.approx(alone["kl"], rel=1e-6) and reused["top1_agreement"] == alone["top1_agreement"]
-    with pytest.raises(AssertionError, match="second time"):  # outside the block it loads again
-        task.evaluate(converted, tokenizer, options)
+    given = task.measure(converted, tokenizer, options, original=original)
+    assert given["kl"] == pytest.approx(alone["kl"], rel=1e-6) and given["top1_agreement"] == alone["top1_agreement"]
+    with pytest.raises(AssertionError, match="second time"):  # without it, it loads the original
+        task.measure(converted, tokenizer, options)

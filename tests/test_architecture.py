@@ -26,8 +26,9 @@ LAYERS: dict[str, int] = {
     "attention": 3, "cache": 3,
     "modeling": 4, "surgery": 4,
     "loading": 5, "metrics": 5, "ablation": 5, "equal_cache": 5, "scoring": 5, "train": 5, "evaluate": 5, "bench": 5,
+    "recipe": 5,
     "report": 6,
-    "pipeline": 7,
+    "run": 7,
     "commands": 8,
     "cli": 9,
     "__init__": 10,  # the public API re-exports from every layer
@@ -150,3 +151,25 @@ def test_every_third_party_package_imported_is_declared():
 def test_the_import_reader_resolves_relative_imports(source, expected):
     where = PACKAGE / ("evaluate/hashhop.py" if "registry" in source else "train/loop.py" if ".." in source else "cli.py")
     assert imported_units(where, ast.parse(source).body[0]) == expected
+
+
+def test_every_benchmark_script_is_listed_in_its_room():
+    """docs/benchmarks.md names every script of benchmarks/<room>/ under that room's heading."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    rooms = re.split(r"\n\*\*`(\w+)/`\*\*", text)[1:]  # [room, its text, room, its text, ...]
+    listed = {room: set(re.findall(r"^\| `(\w+)\.py` \|", body, re.M)) for room, body in zip(rooms[::2], rooms[1::2])}
+    for folder in sorted(p for p in (ROOT / "benchmarks").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        scripts = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+        assert scripts == listed.get(folder.name, set()), f"docs/benchmarks.md, room {folder.name}/"
+
+
+def test_benchmark_scripts_find_paths_and_corpora_through_the_shared_helper():
+    """Only benchmarks/common.py (and kvpress's script, which runs without recurformer) locates
+    the repository; no script spells a corpus file the library names."""
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        if path.name in ("common.py", "kvpress_eval.py"):
+            continue
+        source = path.read_text()
+        assert "Path(__file__)" not in source, f"{path.relative_to(ROOT)} locates the repository itself"
+        for corpus in ("wikitext-2-valid.txt", "wikitext-2-raw-test.txt", "lee-background-news.txt"):
+            assert corpus not in source, f"{path.relative_to(ROOT)} spells {corpus}; use benchmarks.common"

@@ -107,7 +107,7 @@ def test_cache_bytes_count_what_is_held_and_what_is_reserved():
 def test_bench_script_variants_name_their_shape():
     from benchmark_scripts import benchmark_script
 
-    with benchmark_script("bench") as script:
+    with benchmark_script("speed.bench") as script:
         assert script.parse_variant("mamba:0.75") == ("mamba", 0.75, {})
         assert script.parse_variant("window+mamba2:0.5:window=141:ssd_state=16") == (
             "window+mamba2", 0.5, {"window": 141, "ssd_state": 16})

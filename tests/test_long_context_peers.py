@@ -1,4 +1,4 @@
-"""The equal-cache comparison's measures (`benchmarks/long_context_peers.py`) on tiny random
+"""The equal-cache comparison's measures (`benchmarks/peers/ours.py`) on tiny random
 models: a prefilled cache scores the next tokens as the full forward does, and the greedy
 answer after a context and a question is `generate`'s."""
 
@@ -14,7 +14,7 @@ from recurformer.evaluate.ppl_by_distance import position_nll
 
 @pytest.fixture(scope="module")
 def peers():
-    with benchmark_script("long_context_peers") as module:
+    with benchmark_script("peers.ours") as module:
         yield module
 
 

@@ -1,4 +1,4 @@
-"""The equal-cache table's reader (`benchmarks/long_context_table.py`): a missing or malformed
+"""The equal-cache table's reader (`benchmarks/peers/table.py`): a missing or malformed
 rows file fails with one line naming it; good files render one line per row, scored alike."""
 
 import json
@@ -10,7 +10,7 @@ from benchmark_scripts import benchmark_script
 
 @pytest.fixture(scope="module")
 def table():
-    with benchmark_script("long_context_table") as module:
+    with benchmark_script("peers.table") as module:
         yield module
 
 

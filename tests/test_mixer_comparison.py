@@ -1,4 +1,4 @@
-"""`benchmarks/mixers.py`: the table is built only from finished runs trained alike."""
+"""`benchmarks/quality/mixers.py`: the table is built only from finished runs trained alike."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ from benchmark_scripts import benchmark_script
 
 @pytest.fixture(scope="module")
 def mixers():
-    with benchmark_script("mixers") as module:
+    with benchmark_script("quality.mixers") as module:
         yield module
 
 
@@ -59,7 +59,7 @@ def test_one_table_per_beta_and_evaluation(mixers, tmp_path):
 
 def test_columns_come_from_the_metric_table(mixers):
     from recurformer.metrics import by_key
-    from recurformer.pipeline import metric_table
+    from recurformer.run import metric_table
 
     table = by_key(metric_table()[0])
     assert set(mixers.COLUMNS) <= set(table)

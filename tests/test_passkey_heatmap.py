@@ -1,4 +1,4 @@
-"""`benchmarks/passkey_heatmap.py`: passkey results read, checked and counted per cell."""
+"""`benchmarks/long_context/passkey_heatmap.py`: passkey results read, checked and counted per cell."""
 
 import json
 
@@ -8,7 +8,7 @@ from benchmark_scripts import benchmark_script
 
 @pytest.fixture(scope="module")
 def heatmap():
-    with benchmark_script("passkey_heatmap") as module:
+    with benchmark_script("long_context.passkey_heatmap") as module:
         yield module
 
 

@@ -1,4 +1,4 @@
-"""The retrieval study's pipeline (`benchmarks/retrieval_study.py --quick`): outputs are
+"""The retrieval study's pipeline (`python -m benchmarks.retrieval.study --quick`): outputs are
 well-formed, measured cache sizes are consistent, and a second run redoes nothing."""
 
 import json
@@ -11,7 +11,7 @@ from benchmark_scripts import benchmark_script
 
 @pytest.fixture(scope="module")
 def study():
-    with benchmark_script("retrieval_study") as module:
+    with benchmark_script("retrieval.study") as module:
         yield module
 
 
@@ -39,7 +39,7 @@ def test_outputs_are_complete_and_well_formed(study, quick_run):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     readme = (out / "README.md").read_text()
     assert "All planned units are finished." in readme and "## Conclusions" in readme
-    entries = sys.modules["retrieval_report"].summarize(results["rows"], config.scales)
+    entries = sys.modules["benchmarks.retrieval.report"].summarize(results["rows"], config.scales)
     table_rows = [line for line in readme.splitlines()
                   if line.startswith("| ") and line.count("|") == 14 and not line.startswith("| selection")]
     assert len(table_rows) == len(entries)

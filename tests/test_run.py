@@ -14,7 +14,8 @@ from recurformer.config import ConfigError, MixerConfig
 from recurformer.data import DataError
 from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
-from recurformer.pipeline import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline
+from recurformer.recipe import recipe_for
+from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
 from recurformer.report import render_run_report
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, seconds_per_step
@@ -123,7 +124,7 @@ def test_learning_rates_reach_the_training_stages(texts, tmp_path):
 def test_the_default_run_trains_a_window_with_a_recurrent_tail_by_the_tail_recipe(texts, tmp_path):
     train, held_out = texts
     run = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
-    assert run.config.mixer == "window+mamba2" and run.tail_recipe
+    assert run.config.mixer == "window+mamba2" and run.recipe.name == "tail-mamba2"
     mixer = run.config.mixer_config()  # RUN_SHAPES: a longer window and a small tail state
     assert (mixer.kind, mixer.window, mixer.sinks, mixer.ssd_state) == ("window+mamba2", 141, 4, 16)
     recorded = run.config.to_dict()  # what run.json stores
@@ -169,7 +170,7 @@ def test_an_interrupted_run_continues_where_it_stopped(texts, tmp_path):
 
     def last(run):
         calls["last"] += 1
-        (run.out / "metrics.json").write_text(json.dumps({"done": run.record("second")["value"]}))
+        (run.out / "metrics.json").write_text(json.dumps({"done": run.layout.record("second")["value"]}))
         return {}
 
     stages = [("first", first, 1.0), ("second", second, 1.0), ("last", last, 1.0)]
@@ -212,7 +213,8 @@ def _metrics(quick: bool) -> dict:
         "quick": quick, "model": "tiny", "beta": 0.5, "mixer": "mamba", "scorer": "recency", "replaced_groups": 45,
         "replaced_fraction": 0.5, "params_original": 134_515_008, "params_converted": 141_016_000, "params_ratio": 1.048,
         "analyze_tokens": 16384, "rr_median": 0.27, "transfer_steps": 40, "transfer_tokens": 163_840,
-        "transfer_minutes": 8.5, "lm_steps": 20, "lm_tokens": 81_920, "lm_minutes": 16.0, "ppl_original": 24.22,
+        "transfer_minutes": 8.5, "transfer_lr": 5e-3, "lm_steps": 20, "lm_tokens": 81_920, "lm_minutes": 16.0,
+        "lm_lr": 1e-3, "ppl_original": 24.22,
         "ppl_converted": 5139.0, "ppl_transfer": 83.7, "ppl_final": 40.1, "ppl_tokens": 16383, "ppl_ratio": 40.1 / 24.22,
         "ppl_context": 2048, "ppl_baseline": 26.0, "ppl_baseline_ratio": 26.0 / 24.22, "ppl_ood_original": 30.0,
         "ppl_ood_final": 45.0, "ppl_ood_baseline": 31.5,
@@ -237,7 +239,8 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     evaluation = {"ppl-by-distance": {"original": {"buckets": buckets},
                                       "final": {"buckets": [{**b, "ppl": 1.5 * b["ppl"]} for b in buckets]},
                                       "baseline": {"buckets": [{**b, "ppl": 1.1 * b["ppl"]} for b in buckets]}}}
-    full = render_run_report(_metrics(False), by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
+    sections = lambda m: [t.report_section(m, evaluation) for t in run_tasks() if t.report_section]  # noqa: E731
+    full = render_run_report(_metrics(False), by_key(metrics), rows, {"beta": 0.5}, bench, sections(_metrics(False)))
     assert ("| perplexity, held-out text (16,383 tokens, windows of 2,048) | 24.22 | 40.10 | 1.656x | 26.00 (1.073x) |"
             in full)
     assert ("| perplexity, out-of-domain text (16,383 tokens, never trained on) | 30.00 | 45.00 | 1.500x | "
@@ -262,8 +265,9 @@ def test_report_states_the_numbers_and_flags_quick_runs():
     assert "mixer `mamba`\n" in full  # a kind without a window names none
     windowed = _metrics(False) | {"mixer": "window+mamba", "window": 140, "sinks": 4}
     assert "mixer `window+mamba` (window 140 + 4 sinks)" in render_run_report(
-        windowed, by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
-    assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench, evaluation)
+        windowed, by_key(metrics), rows, {"beta": 0.5}, bench, sections(windowed))
+    assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench,
+                                            sections(_metrics(True)))
 
 
 @pytest.mark.parametrize("config, window, sinks", [
@@ -330,15 +334,15 @@ def test_a_window_with_a_tail_trains_only_its_tail_on_longer_sequences(texts, tm
     config = RunConfig(model=str(model_dir), data=train, eval_data=held_out, mixer="window+mamba2", quick=True)
     run = Run(config, tmp_path / "run")
     lm = run.train_config("lm", 1)
-    assert (lm.trainable, lm.ce_weight, lm.distill_weight, lm.seq_len) == ("tail", 0.0, 1.0, run.sizes.tail_seq_len)
+    assert (lm.trainable, lm.ce_weight, lm.distill_weight, lm.seq_len) == ("tail", 0.0, 1.0, run.recipe.quick_seq_len)
     assert run.train_config("transfer", 1).trainable == "tail"
-    assert run.train_sequences.shape[1] == run.sizes.tail_seq_len
+    assert run.train_sequences.shape[1] == run.recipe.quick_seq_len
 
     until_lm = [stage for stage in STAGES if stage[0] in ("resolve", "analyze", "convert", "plan", "transfer", "lm")]
     with pytest.raises(FileNotFoundError, match="metrics.json"):  # no report stage: no metrics
         run_pipeline(config, tmp_path / "run", progress=False, stages=until_lm)
-    before = dict(run.converted("converted").named_parameters())
-    after = dict(Run(config, tmp_path / "run").converted("final").named_parameters())
+    before = dict(run.model("converted").named_parameters())
+    after = dict(Run(config, tmp_path / "run").model("final").named_parameters())
     changed = {name for name, p in after.items() if not torch.equal(p, before[name])}
     assert changed and all(".mixer.recurrent." in name or name.endswith(".mixer.gate") for name in changed)
     assert any(name.endswith(".mixer.gate") for name in changed)  # the gate opened
@@ -363,7 +367,7 @@ def test_the_window_and_sinks_reach_the_converted_mixer(texts, tmp_path):
         config = RunConfig(model=model_dir, data=train, eval_data=held_out, mixer="window+mamba", quick=True, **given)
         with pytest.raises(FileNotFoundError, match="metrics.json"):  # stops after convert: no report
             run_pipeline(config, tmp_path / name, progress=False, stages=stages)
-        mixer = MixerConfig.from_dict(Run(config, tmp_path / name).converted("converted").config.mixer)
+        mixer = MixerConfig.from_dict(Run(config, tmp_path / name).model("converted").config.mixer)
         assert (mixer.kind, mixer.window, mixer.sinks) == ("window+mamba", *expected)
 
 
@@ -392,16 +396,15 @@ def test_a_new_process_takes_a_stage_model_from_its_directory(texts, tmp_path):
     first.claim(force=False)
     for name, stage, _ in STAGES[:3]:  # resolve, analyze, convert
         stage(first)
-    saved = dict(first.converted("converted").named_parameters())
-    taken = Run(config, tmp_path / "run").converted("converted", take=True)
+    saved = dict(first.model("converted").named_parameters())
+    taken = Run(config, tmp_path / "run").model("converted")
+    assert taken is not first.model("converted")  # loaded again, from the folder
     assert all(torch.equal(p, saved[name]) for name, p in taken.named_parameters())
 
 
 def test_the_report_names_the_recipe_the_mixer_was_trained_by():
-    from recurformer.report import recipe_text
-
-    assert "LoRA adapters" in recipe_text("mamba") and "tail recipe" not in recipe_text("window")
-    assert "KL divergence to the original model's predictions alone" in recipe_text("window+mamba2")
+    assert "LoRA adapters" in recipe_for("mamba").summary and "tail recipe" not in recipe_for("window").summary
+    assert "KL divergence to the original model's predictions alone" in recipe_for("window+mamba2").summary
 
 
 def test_the_bench_names_the_final_model_by_its_role_not_its_path(texts, tmp_path, monkeypatch):
@@ -410,9 +413,10 @@ def test_the_bench_names_the_final_model_by_its_role_not_its_path(texts, tmp_pat
     config = RunConfig(model=str(save_tiny_model(tmp_path / "tiny")), data=train, eval_data=held_out, quick=True)
     run = Run(config, tmp_path / "run")
     seen = {}
-    monkeypatch.setattr("recurformer.pipeline.against_original",
+    monkeypatch.setattr("recurformer.run.stages.against_original",
                         lambda converted, *args, **kwargs: seen.update(converted) or {"contexts": [64]})
-    monkeypatch.setattr("recurformer.pipeline.plot_bench", lambda *args: None)
-    monkeypatch.setattr(Run, "converted", lambda self, name, take=False: f"model {name}")
+    monkeypatch.setattr("recurformer.run.stages.plot_bench", lambda *args: None)
+    monkeypatch.setattr(Run, "model", lambda self, name: f"model {name}")
+    monkeypatch.setattr(Run, "original", "the original")
     dict((name, stage) for name, stage, _ in STAGES)["bench"](run)
     assert seen == {"final": "model final"}

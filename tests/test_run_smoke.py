@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recurformer.pipeline import RUN_SCHEMA
+from recurformer.run import RUN_SCHEMA
 
 pytestmark = [pytest.mark.real_model, pytest.mark.smoke]
 

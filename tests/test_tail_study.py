@@ -1,4 +1,4 @@
-"""`benchmarks/tail_study.py`: the evicted-only tail reads, at each position, the state of
+"""`benchmarks/quality/tail_study.py`: the evicted-only tail reads, at each position, the state of
 the token `window` steps back, decayed to now (checked against the naive recurrence)."""
 
 import pytest
@@ -12,7 +12,7 @@ from recurformer.ops.ssd.naive import ssd_naive
 
 @pytest.fixture(scope="module")
 def study():
-    with benchmark_script("tail_study") as module:
+    with benchmark_script("quality.tail_study") as module:
         yield module
 
 

@@ -3,9 +3,9 @@
 
 Runs in the peers' own virtual environment (`benchmarks/peers/README.md`) and does not import
 recurformer: kvpress 0.5.5 needs transformers < 5.3, recurformer's environment has a newer one.
-It reads the problem set (`benchmarks/long_context_problems.py`: token ids, so every row gets
-the same problems) and our rows' JSON (`benchmarks/long_context_peers.py`: the cache bytes to
-match), and measures each press as `long_context_peers.py` measures our rows:
+It reads the problem set (`benchmarks/peers/problems.py`: token ids, so every row gets
+the same problems) and our rows' JSON (`benchmarks/peers/ours.py`: the cache bytes to
+match), and measures each press as `benchmarks/peers/ours.py` measures our rows:
 
 - loss: prefill `prefix` tokens with the press on (the cache is compressed after each layer),
   then score the next-token predictions of the `scored` tokens after them with that cache, in

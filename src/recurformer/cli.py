@@ -22,7 +22,7 @@ from .bench import BenchConfig
 from .config import MixerConfig
 from .errors import RecurformerError
 from .evaluate import TASKS
-from .pipeline import RunConfig, run_pipeline
+from .run import RunConfig, run_pipeline
 from .ablation import AblationConfig
 from .scoring import AnalysisConfig, SelectionConfig
 from .surgery import INITS

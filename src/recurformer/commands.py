@@ -1,7 +1,8 @@
 """The functions behind the subcommands (`analyze`, `convert`, `train`, `eval`, `bench`,
 `generate`), typed, one per command. Each checks every input before any long work starts
 or any file is written, then calls the library and writes its outputs atomically.
-(`recurformer run` is the pipeline, `pipeline.py`.)"""
+`analyze` and `convert` are the run's stages of the same names (`run/stages.py`);
+`recurformer run` itself is `run.run_pipeline`."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from .config import ConfigError, MixerConfig, option, require
 from .data import DataError, check_length, load_documents, token_sequences
 from .evaluate import lookup_task, make_options
 from .files import write_json_atomic
-from .loading import load_any, load_converted, load_model, load_teacher, portable_name, save_model
+from .loading import load_any, load_converted, load_model, load_teacher
 from .modeling import check_architecture
-from .report import plot_bench, plot_head_heatmap
+from .report import plot_bench
 from .ablation import AblationConfig
-from .scoring import AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
-from .surgery import INITS, convert, parameter_report
-from .train import CHECKPOINT, TrainConfig, needs_teacher, train_stage
+from .run import analyze_heads, convert_heads
+from .scoring import AnalysisConfig, HeadScores, SelectionConfig
+from .surgery import INITS
+from .train import CHECKPOINT, TrainConfig, has_checkpoint, needs_teacher, train_stage
 
 
 def _refuse_occupied(out: Path, hint: str) -> None:
@@ -46,14 +48,8 @@ def analyze_command(model: str, data: list[str], out: str, plot: str | None = No
     documents = load_documents(data)
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
-    measure = ablation_measurement(selection.scorer, ablation)
-    scores = analyze_text(net, tokenizer, documents, analysis, seed=selection.seed, model_name=str(model),
-                          data=[str(p) for p in data], ablation=measure, checkpoint=ablation_checkpoint(out))
-    scores.save(out)
-    ablation_checkpoint(out).unlink(missing_ok=True)
-    if plot:
-        plot_head_heatmap(scores, plot, selection.select(scores))
-    return scores
+    return analyze_heads(net, tokenizer, documents, analysis, selection, ablation, str(model), [str(p) for p in data],
+                         out, ablation_checkpoint(out), plot=plot)
 
 
 def convert_command(model: str, scores: str, out: str, selection: SelectionConfig = SelectionConfig(),
@@ -67,19 +63,14 @@ def convert_command(model: str, scores: str, out: str, selection: SelectionConfi
         _refuse_occupied(out_dir, "use --force to replace it")
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
-    head_scores.check_model(net, str(model))
-    spec = selection.select(head_scores)
-    converted = convert(net, spec, mixer or MixerConfig(), init=init, seed=selection.seed, source_model=portable_name(model))
-    report = parameter_report(net, converted)
-    save_model(converted, tokenizer, out_dir)
-    return {"groups": len(spec.groups), "fraction": spec.fraction, **report}
+    return convert_heads(net, tokenizer, head_scores, selection, mixer or MixerConfig(), init, str(model), out_dir)[1]
 
 
 def train_command(directory: str, data: list[str], out: str, config: TrainConfig, teacher: str | None = None,
                   resume: bool = False, force: bool = False, keep_checkpoint: bool = False) -> dict:
     """Run one training stage on a converted model and save the result into `out`."""
     out_dir = Path(out)
-    if resume and not (out_dir / CHECKPOINT).exists():
+    if resume and not has_checkpoint(out_dir):
         raise ConfigError(f"--resume: no checkpoint in {out_dir}")
     if not resume and out_dir.exists() and any(out_dir.iterdir()):
         if not force:
@@ -106,7 +97,7 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
     if missing:  # before the model loads, not after
         raise DataError(f"data file not found: {missing[0]}")
     net, tokenizer = load_any(model)
-    metrics = {"model": str(model), "task": chosen.name, **chosen.evaluate(net.eval(), tokenizer, settings)}
+    metrics = {"model": str(model), "task": chosen.name, **chosen.measure(net.eval(), tokenizer, settings)}
     if out:
         write_json_atomic(out, metrics)
     return metrics

@@ -13,9 +13,10 @@ from typing import Any
 from .errors import RecurformerError
 
 MIXER_KINDS: list[str] = []  # filled as each mixer kind registers (mixers.base.register_mixer)
+# field -> the kinds that read it, filled from each kind's `Mixer.reads` as it registers
+FIELD_READERS: dict[str, list[str]] = {}
 SCAN_BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 STATE_DTYPES = ("float32", "bfloat16", "float16")
-WINDOW_KINDS = ("window", "window+mamba", "window+mamba2", "window+linear")  # the kinds that read `window` and `sinks`
 
 
 class ConfigError(RecurformerError, ValueError):
@@ -49,6 +50,11 @@ def parse_ssd_state(text: str) -> int | str:
     return int(text)
 
 
+def kinds_reading(name: str) -> list[str]:
+    """The registered mixer kinds that read the `MixerConfig` field `name` (their `Mixer.reads`)."""
+    return list(FIELD_READERS.get(name, ()))
+
+
 def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
@@ -58,9 +64,10 @@ class MixerConfig:
     """Hyper-parameters of the mixer that replaces a layer's removed heads.
 
     A mixer stands in for the layer's replaced query heads and emits their channels
-    (`d_out = replaced query heads * head_dim`). Each field says which kinds read it; the
-    others ignore it, so a config of one kind never fails on another kind's field values
-    as long as they are in range.
+    (`d_out = replaced query heads * head_dim`). Each mixer kind declares the fields it
+    reads (`Mixer.reads`, collected in `FIELD_READERS`); the others ignore them, so a config
+    of one kind never fails on another kind's field values as long as they are in range,
+    and a command-line value for a field its kind does not read is an error (`from_flags`).
 
     `mamba` (Mamba-1 / S6): inner width `expand * d_out` ([ours]: the mixer is sized by
     what it replaces, so a layer that loses more heads gets a wider mixer).
@@ -93,15 +100,13 @@ class MixerConfig:
     proj_bias: bool = False  # mamba, mamba2: biases on in_proj and out_proj
     scan_backend: str = "auto"  # mamba, mamba2
     ssd_state: int | str = option("head_dim", "mamba2 kinds: state size N per head (an integer, or head_dim)",
-                                  kinds=("mamba2", "window+mamba2"), parse=parse_ssd_state,
-                                  metavar="N")
+                                  parse=parse_ssd_state, metavar="N")
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
-    window: int = option(64, "window mixers: tokens each query attends back, itself included", kinds=WINDOW_KINDS)
-    sinks: int = option(4, "window mixers: first tokens every query also attends (attention sinks)", kinds=WINDOW_KINDS)
+    window: int = option(64, "window mixers: tokens each query attends back, itself included")
+    sinks: int = option(4, "window mixers: first tokens every query also attends (attention sinks)")
     feature_dim: int | str = "head_dim"  # window+linear: each half of the feature map (F = 2 feature_dim)
-    state_dtype: str = option("float32", "recurrent mixers: dtype of the accumulated state (docs/precision.md)",
-                              kinds=("mamba", "mamba2", "window+mamba", "window+mamba2", "window+linear"))
+    state_dtype: str = option("float32", "recurrent mixers: dtype of the accumulated state (docs/precision.md)")
 
     def __post_init__(self) -> None:
         require(self.kind in MIXER_KINDS, f"mixer kind: unknown {self.kind!r}; choose one of {', '.join(MIXER_KINDS)}")
@@ -130,10 +135,14 @@ class MixerConfig:
         require(self.state_dtype in STATE_DTYPES,
                 f"state_dtype: unknown {self.state_dtype!r}; choose one of {', '.join(STATE_DTYPES)}")
 
+    def reads(self, name: str) -> bool:
+        """Whether this config's kind reads the field `name`."""
+        return self.kind in FIELD_READERS.get(name, ())
+
     @property
     def has_window(self) -> bool:
         """Whether the kind reads `window` and `sinks`."""
-        return self.kind in WINDOW_KINDS
+        return self.reads("window")
 
     @classmethod
     def from_flags(cls, kind: str, **given: Any) -> "MixerConfig":
@@ -141,10 +150,9 @@ class MixerConfig:
         value for a field that `kind` does not read is an error rather than ignored."""
         given = {name: value for name, value in given.items() if value is not None}
         config = cls(kind=kind, **given)
-        readers = {f.name: f.metadata.get("kinds") for f in fields(cls)}
         for name in given:
-            require(readers[name] is None or kind in readers[name],
-                    f"--{name.replace('_', '-')} applies to --mixer {'|'.join(readers[name] or ())}, not --mixer {kind}")
+            require(config.reads(name),
+                    f"--{name.replace('_', '-')} applies to --mixer {'|'.join(kinds_reading(name))}, not --mixer {kind}")
         return config
 
     def inner_width(self, d_out: int) -> int:

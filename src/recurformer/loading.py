@@ -4,8 +4,6 @@ them atomically. Below both the command layer and the pipeline, which share it."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,27 +48,13 @@ def load_any(name_or_path: str):
     return model, tokenizer
 
 
-_LOADED_ORIGINALS: dict[str, torch.nn.Module] = {}  # name -> model, while `reusing_original` is active
-
-
-@contextmanager
-def reusing_original(name: str, model: torch.nn.Module) -> Iterator[None]:
-    """While active, `load_teacher` returns `model` for the original `name` (as a converted
-    model records it, `portable_name`) instead of loading a second copy."""
-    _LOADED_ORIGINALS[name] = model
-    try:
-        yield
-    finally:
-        _LOADED_ORIGINALS.pop(name, None)
-
-
 def load_teacher(student, teacher: str | None = None):
     """The original model `student` was converted from (`teacher` overrides the recorded
-    name), checked by its weight fingerprint; the model of `reusing_original` if one is active."""
+    name), checked by its weight fingerprint."""
     name = teacher or student.config.source_model
     if not name:
         raise ConfigError("the model does not record the model it was converted from; pass --teacher")
-    model = _LOADED_ORIGINALS[name] if name in _LOADED_ORIGINALS else load_model(name)[0]
+    model = load_model(name)[0]
     expected = student.config.source_fingerprint
     if expected and model_fingerprint(model) != expected:
         raise ConfigError(f"teacher {name} is not the model this one was converted from (fingerprint mismatch)")

@@ -13,10 +13,10 @@ belongs in the summary) here, one line in docs/run.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from .config import MixerConfig
+from .config import MixerConfig, kinds_reading
 
 MIB = 2**20
 
@@ -136,10 +136,8 @@ def _config(key: str, label: str) -> Metric:
 def _mixer_field(name: str) -> Callable[[RunResults], Any]:
     """The converted mixer's field `name` as run: the run's value (run.json), the library's
     default for runs made before the flag existed, None for a kind that does not read it."""
-    kinds = next(f for f in fields(MixerConfig) if f.name == name).metadata["kinds"]
-
     def value(r: RunResults) -> Any:
-        if r.config["mixer"] not in kinds:
+        if r.config["mixer"] not in kinds_reading(name):
             return None
         given = r.config.get(name)
         return getattr(MixerConfig, name) if given is None else given
@@ -208,6 +206,24 @@ RUN_ROWS: tuple[Row, ...] = (
         "max_context_in_budget_final", None),
     Row("parameters", "params_original", "params_converted", "params_ratio"),
 )
+
+
+def run_metric_table(task_metrics: Iterable[Metric], task_rows: Iterable[Row],
+                     stages: Iterable[str]) -> tuple[list[Metric], list[Row]]:
+    """Every metric of a run and the summary table's rows: the evaluation tasks' (in report
+    order: `task_metrics`, `task_rows`), then the run's own (`RUN_METRICS`, `RUN_ROWS`), then
+    the wall time and peak resident memory of each of the timed `stages`."""
+    timed = list(stages)
+    seconds = [Metric(f"seconds_{name}", f"wall time of the {name} stage", (lambda r, n=name: r.records[n]["seconds"]),
+                      "{:.1f}", unit="s") for name in timed]
+    memory = [Metric(f"peak_rss_{name}", f"peak resident memory of the process during the {name} stage",
+                     (lambda r, n=name: r.records[n].get("peak_rss_bytes")), mib, "lower", "bytes") for name in timed]
+    total = Metric("total_minutes", "wall time of all stages",
+                   lambda r: round(sum(r.records[n]["seconds"] for n in timed) / 60, 2), "{:.1f}", unit="min")
+    peak = Metric("peak_rss", "peak resident memory of the process over all stages",
+                  lambda r: max(filter(None, (r.records[n].get("peak_rss_bytes") for n in timed)), default=None), mib,
+                  "lower", "bytes")
+    return [*RUN_METRICS, *task_metrics, *seconds, *memory, total, peak], [*task_rows, *RUN_ROWS]
 
 
 def collect(results: RunResults, metrics: Iterable[Metric]) -> dict[str, Any]:

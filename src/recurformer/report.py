@@ -15,7 +15,7 @@ from .bench import median_measurements  # noqa: E402
 from .config import ReplacementSpec  # noqa: E402
 from .files import atomic_file  # noqa: E402
 from .metrics import Metric, Row, mib, render_rows  # noqa: E402
-from .mixers import MIXERS  # noqa: E402
+from .recipe import recipe_for  # noqa: E402
 from .scoring import HeadScores  # noqa: E402
 
 
@@ -94,39 +94,12 @@ def plot_loss_curves(logs: dict[str, Path], path: str | Path) -> None:
     save_figure(figure, path)
 
 
-def distance_table(by_distance: dict[str, dict]) -> list[str]:
-    """Markdown lines: perplexity per position bucket of each model of a ppl-by-distance
-    evaluation (`{model: result}`), and each model's ratio to the original."""
-    others = [m for m in by_distance if m != "original"]
-    lines = ["| positions | tokens | original | " + " | ".join(f"{m} | {m} / original" for m in others) + " |",
-             "|---|---|---|" + "---|---|" * len(others)]
-    for i, bucket in enumerate(by_distance["original"]["buckets"]):
-        cells = [bucket["bucket"], f"{bucket['tokens']:,}", f"{bucket['ppl']:.2f}"]
-        for m in others:
-            ppl = by_distance[m]["buckets"][i]["ppl"]
-            cells += [f"{ppl:.2f}", f"{ppl / bucket['ppl']:.3f}x"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def recipe_text(mixer: str) -> str:
-    """What the two training stages of a run of `mixer` did (docs/training.md)."""
-    if MIXERS[mixer].has_tail:
-        return ("The tail recipe: the window keeps the heads' own projections, and only the recurrent tail and its "
-                "gate train. The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it "
-                "replaced (mean squared error on sequences longer than the window, the rest of the model frozen); the "
-                "`lm` stage trains the tails end to end on the KL divergence to the original model's predictions "
-                "alone, which recovers the original instead of adapting to the training text.")
-    return ("The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced (mean "
-            "squared error, the rest of the model frozen); the `lm` stage trains the mixers and LoRA adapters on "
-            "next-token loss plus the KL divergence to the original model's predictions.")
-
-
 def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], config: dict, bench: dict,
-                      evaluation: dict) -> str:
+                      sections: list[tuple[str, list[str]]]) -> str:
     """The Markdown report of a run: the summary table (`rows` over the `metrics` values,
-    shown as `table` says), then each stage's details, the configuration and bench.json;
-    `evaluation` is eval.json."""
+    shown as `table` says), which heads were replaced, how they were trained, the evaluation
+    tasks' own `sections` (title, lines), cache and speed, each stage's time and memory,
+    and the configuration."""
     m = metrics
     window = "" if m.get("window") is None else f" (window {m['window']} + {m['sinks']} sinks)"
     lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`{window}", ""]
@@ -143,6 +116,11 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         *render_rows(rows, m, table),
         "",
+        f"The last column is the training-free rival at equal cache bytes: the same {m['replaced_groups']} KV groups "
+        f"replaced by the `window` mixer, the heads' own attention over the last {m['baseline_window']} tokens and the "
+        "sinks, whose ring buffer holds as many bytes as the converted model's mixer state. Training is only worth it "
+        "where the converted model beats this window.",
+        "",
         "## 1. Which heads were replaced",
         "",
         f"Recency ratio of every head (attention mass on the last tokens) measured on {m['analyze_tokens']:,} tokens "
@@ -150,34 +128,21 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         "![heads](heads.png)",
         "",
-        "## 2. Recovery by continual training",
+        "## 2. Training",
         "",
-        "| model | held-out perplexity | x original | out-of-domain perplexity | x original |",
-        "|---|---|---|---|---|",
-    ]
-    for key, label in (("original", "original"), ("converted", "converted, untrained"),
-                       ("transfer", f"after transfer ({m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, {m['transfer_minutes']:.1f} min)"),
-                       ("final", f"after lm ({m['lm_steps']} steps, {m['lm_tokens']:,} tokens, {m['lm_minutes']:.1f} min)")):
-        ood = m.get(f"ppl_ood_{key}")  # out-of-domain: the original and the final model only
-        ood_cells = "| | |" if ood is None else f"| {ood:.2f} | {ood / m['ppl_ood_original']:.3f} |"
-        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.3f} {ood_cells}")
-    lines += [
-        "",
-        recipe_text(m["mixer"]),
+        f"`transfer`: {m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, {m['transfer_minutes']:.1f} min at "
+        f"peak learning rate {m['transfer_lr']:g}; `lm`: {m['lm_steps']} steps, {m['lm_tokens']:,} tokens, "
+        f"{m['lm_minutes']:.1f} min at {m['lm_lr']:g}. " + recipe_for(m["mixer"]).summary,
         "",
         "![loss](loss.png)",
         "",
-        "## 3. The rival at equal cache, and what is lost at a distance",
-        "",
-        f"The last column of the summary is the training-free rival at equal cache bytes: the same {m['replaced_groups']} "
-        f"KV groups replaced by the `window` mixer, the heads' own attention over the last {m['baseline_window']} tokens "
-        "and the sinks, whose ring buffer holds as many bytes as the converted model's mixer state. Training is only "
-        "worth it where the converted model beats this window. Perplexity by position in the held-out sequences "
-        "(a token at position p has p tokens before it):",
-        "",
-        *distance_table(evaluation["ppl-by-distance"]),
-        "",
-        "## 4. Cache, speed and memory",
+    ]
+    number = 3
+    for title, section in sections:
+        lines += [f"## {number}. {title}", "", *section, ""]
+        number += 1
+    lines += [
+        f"## {number}. Cache, speed and memory",
         "",
         "Measured in one process, the original model (with transformers' dynamic cache, and with its static "
         f"cache) alternating with the converted one, fp32, batch 1, {m['bench_threads']} torch thread(s); decode "
@@ -194,7 +159,7 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         "![bench](bench.png)",
         "",
-        "## 5. Time and memory per stage",
+        f"## {number + 1}. Time and memory per stage",
         "",
         "| stage | seconds | peak resident memory |",
         "|---|---|---|",

@@ -57,7 +57,9 @@ class AgreementOptions:
         require(self.max_tokens >= self.context, f"--max-tokens must be >= --context, got {self.max_tokens}")
 
 
-def evaluate(model, tokenizer, options: AgreementOptions) -> dict:
+def evaluate(model, tokenizer, options: AgreementOptions, original=None) -> dict:
+    """KL and top-1 agreement of `model` against `original` (None: the model `--reference`
+    names, else the one `model` records, loaded and checked by its fingerprint)."""
     if model.config.model_type != RECURFORMER_TYPE:
         raise ConfigError("--task agreement compares a converted model with its original; this model is not converted")
     reference_name = options.reference or model.config.source_model
@@ -72,7 +74,7 @@ def evaluate(model, tokenizer, options: AgreementOptions) -> dict:
             raise DataError(f"{path} has {len(ids):,} tokens, fewer than one window of --context {options.context}")
         usable = len(ids) // options.context * options.context
         windows.append((str(path), torch.tensor(ids[:usable]).view(-1, options.context)))
-    reference = load_teacher(model, options.reference).eval()
+    reference = (original if original is not None else load_teacher(model, options.reference)).eval()
     files = [{"data": path, **agreement(model.eval(), reference, w)} for path, w in windows]
     tokens = sum(f["tokens"] for f in files)
     return {"reference": reference_name, "context": options.context, "tokens": tokens,
@@ -91,6 +93,7 @@ RUN_MODELS = ("final", BASELINE)
 register(Task(
     name="agreement", summary="KL to and top-1 agreement with the original model (docs/tasks.md)",
     options=AgreementOptions, evaluate=evaluate, report_order=30, run_options=run_options, run_models=RUN_MODELS,
+    needs_original=True,
     metrics=(
         *per_model("agreement", "top1_agreement", "top-1 agreement with the original", RUN_MODELS, fmt="{:.1%}",
                    better="higher", key="agreement_top1"),

@@ -121,9 +121,25 @@ def ratio(task: str, model: str, reference: str = "original"):
     return lambda r: r.result(task, model)["ppl"] / r.result(task, reference)["ppl"]
 
 
+def recovery_section(m: dict, evaluation: dict) -> tuple[str, list[str]]:
+    """The run report's section on perplexity through the stages (`m`: the run's metrics)."""
+    lines = ["Held-out perplexity after each stage; out-of-domain perplexity of the original and the final model.",
+             "", "| model | held-out perplexity | x original | out-of-domain perplexity | x original |",
+             "|---|---|---|---|---|"]
+    for key, label in (("original", "original"), ("converted", "converted, untrained"),
+                       ("transfer", f"after transfer ({m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, "
+                                    f"{m['transfer_minutes']:.1f} min)"),
+                       ("final", f"after lm ({m['lm_steps']} steps, {m['lm_tokens']:,} tokens, {m['lm_minutes']:.1f} min)")):
+        ood = m.get(f"ppl_ood_{key}")
+        ood_cells = "| | |" if ood is None else f"| {ood:.2f} | {ood / m['ppl_ood_original']:.3f} |"
+        lines.append(f"| {label} | {m[f'ppl_{key}']:.2f} | {m[f'ppl_{key}'] / m['ppl_original']:.3f} {ood_cells}")
+    return "Recovery by continual training", lines
+
+
 register(Task(
     name="ppl", summary="perplexity of a text (--data), in windows of --context tokens",
     options=PerplexityOptions, evaluate=evaluate, report_order=0,
+    report_section=recovery_section,
     run_options=run_options, run_models={"ppl": (*MODELS, BASELINE), "ppl-ood": ("original", "final", BASELINE)},
     metrics=(
         *per_model("ppl", "ppl", "held-out perplexity", (*MODELS, BASELINE), fmt="{:.2f}", better="lower"),

@@ -128,9 +128,28 @@ def far_ppl(r, model: str) -> float:
 
 RUN_MODELS = ("original", "final", BASELINE)
 
+
+def distance_section(m: dict, evaluation: dict) -> tuple[str, list[str]]:
+    """The run report's perplexity per position bucket of each model, and its ratio to the original."""
+    by_distance = evaluation["ppl-by-distance"]
+    others = [name for name in by_distance if name != "original"]
+    lines = ["Perplexity by position in the held-out sequences (a token at position p has p tokens before it); "
+             f"`{BASELINE}` is the window at equal cache bytes.", "",
+             "| positions | tokens | original | " + " | ".join(f"{name} | {name} / original" for name in others) + " |",
+             "|---|---|---|" + "---|---|" * len(others)]
+    for i, bucket in enumerate(by_distance["original"]["buckets"]):
+        cells = [bucket["bucket"], f"{bucket['tokens']:,}", f"{bucket['ppl']:.2f}"]
+        for name in others:
+            ppl = by_distance[name]["buckets"][i]["ppl"]
+            cells += [f"{ppl:.2f}", f"{ppl / bucket['ppl']:.3f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "What is lost at a distance", lines
+
+
 register(Task(
     name="ppl-by-distance", summary="loss by token position on long held-out sequences (docs/tasks.md)",
     options=PplByDistanceOptions, evaluate=evaluate, report_order=5, run_options=run_options, run_models=RUN_MODELS,
+    report_section=distance_section,
     metrics=(
         Metric("ppl_far_from", "first position of the far buckets", lambda r: far_buckets(r, "original")[0]["start"],
                "{:,}"),

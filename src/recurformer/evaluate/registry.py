@@ -29,7 +29,9 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class Task:
-    """One evaluation. `evaluate(model, tokenizer, options)` returns a flat dict of results.
+    """One evaluation. `evaluate(model, tokenizer, options)` returns a flat dict of results
+    (`evaluate(model, tokenizer, options, original)` for a task that compares a converted
+    model with its original, `needs_original`; call it through `measure`).
 
     `argument` names an options field that may be given after a colon in the task name
     (`lm-eval:hellaswag` sets `tasks`). `run_options(settings)` gives the evaluations `run`
@@ -37,7 +39,9 @@ class Task:
     `ppl` on held-out and `ppl-ood` on out-of-domain text; None: `run` does not use the
     task), each on every model of `run_models` (or, if it is a mapping, on the models it
     gives for that key); `metrics` and `rows` are what the task adds to the run's metrics
-    and summary table, where tasks come in `report_order`.
+    and summary table, where tasks come in `report_order`; `report_section(metrics,
+    evaluation)`, if given, returns the title and Markdown lines of the task's own section
+    of the run's report (`metrics`: metrics.json's values; `evaluation`: eval.json).
     """
 
     name: str
@@ -50,6 +54,15 @@ class Task:
     metrics: tuple[Metric, ...] = ()
     rows: tuple[Row, ...] = ()
     report_order: int = 100
+    needs_original: bool = False
+    report_section: Callable[[dict, dict], tuple[str, list[str]]] | None = None
+
+    def measure(self, model, tokenizer, options, original=None) -> dict:
+        """The task's results on `model`; `original`: the model it was converted from, for
+        the tasks that need it (when None, such a task loads it by the name `model` records)."""
+        if self.needs_original:
+            return self.evaluate(model, tokenizer, options, original)
+        return self.evaluate(model, tokenizer, options)
 
     def option_names(self) -> list[str]:
         return [f.name for f in fields(self.options)]

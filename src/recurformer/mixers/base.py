@@ -16,12 +16,12 @@ back to the activations' dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
 
-from ..config import MIXER_KINDS, MixerConfig
+from ..config import FIELD_READERS, MIXER_KINDS, MixerConfig
 
 MixerState = dict[str, Tensor]
 PositionEmbeddings = tuple[Tensor, Tensor]
@@ -83,13 +83,14 @@ class Mixer(nn.Module):
     """Base class: subclasses take `(d_in, heads: HeadShape, config: MixerConfig)` and
     implement `forward`, `step`, `allocate_state`, `reset_parameters` and `init_from_heads`.
 
-    `learning_rates`: the (transfer, lm) peak learning rates `recurformer run` trains this
-    kind with unless told otherwise.
+    `reads`: the `MixerConfig` fields the kind reads (the command line refuses a value for
+    any other, and the docs list the readers of each field from these). `recipe`: the name
+    of the recipe `recurformer run` trains the kind with (`recipe.RECIPES`).
     """
 
     kind: str
-    learning_rates: tuple[float, float] = (5e-3, 1e-3)
-    has_tail: bool = False  # a window plus a tail (`tail_parameters`): `run` trains it with the tail recipe
+    reads: frozenset[str] = frozenset()
+    recipe: str = "mixers"
     d_in: int
     d_out: int
 
@@ -143,9 +144,14 @@ def register_mixer(kind: str):
     def add(cls: type[Mixer]) -> type[Mixer]:
         if kind in MIXERS:
             raise ValueError(f"mixer kind {kind!r} is registered twice")
+        unknown = sorted(set(cls.reads) - {f.name for f in fields(MixerConfig)} - {"kind"})
+        if unknown:
+            raise ValueError(f"mixer kind {kind!r} reads unknown MixerConfig field(s) {', '.join(unknown)}")
         cls.kind = kind
         MIXERS[kind] = cls
         MIXER_KINDS.append(kind)
+        for name in sorted(cls.reads):
+            FIELD_READERS.setdefault(name, []).append(kind)
         return cls
 
     return add

@@ -31,6 +31,9 @@ class MambaMixer(Mixer):
     and `ssm [B, d_inner, d_state]`. Of the replaced heads it uses only their width
     `d_out`; it has no notion of position (`position_embeddings` are ignored)."""
 
+    reads = frozenset({"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor", "conv_bias",
+                       "proj_bias", "scan_backend", "state_dtype"})
+
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
         d_out = heads.d_out

@@ -41,7 +41,9 @@ class Mamba2Mixer(Mixer):
     """Mamba-2 mixer `[B, T, d_in] -> [B, T, H * P]` with state `conv [B, G*P + G*N + H*N,
     d_conv]` and `ssm [B, H, P, N]`."""
 
-    learning_rates = (5e-3, 2e-4)  # its lm stage diverges at 1e-3 (docs/mixers.md)
+    reads = frozenset({"d_conv", "dt_min", "dt_max", "dt_init_floor", "conv_bias", "proj_bias", "scan_backend",
+                       "ssd_state", "ssd_chunk", "ssd_norm", "state_dtype"})
+    recipe = "mamba2"  # its lm stage diverges at the `mixers` recipe's 1e-3 (docs/mixers.md)
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()

@@ -33,6 +33,8 @@ class WindowMixer(Mixer):
     """Sliding-window softmax attention `[B, T, d_in] -> [B, T, H * D]` with a ring-buffer
     state of `sinks + window` tokens."""
 
+    reads = frozenset({"window", "sinks"})
+
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
         self.d_in, self.d_out, self.config = d_in, heads.d_out, config

@@ -38,7 +38,8 @@ from .window import WindowMixer
 class WindowLinearMixer(WindowMixer):
     """Windowed softmax + linear attention over the evicted tail, `[B, T, d_in] -> [B, T, H * D]`."""
 
-    has_tail = True
+    reads = WindowMixer.reads | {"feature_dim", "state_dtype"}
+    recipe = "tail"
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__(d_in, heads, config)

@@ -36,7 +36,7 @@ class WindowRecurrentMixer(Mixer):
     kind names its recurrent branch (`branch`)."""
 
     branch: type[Mixer]
-    has_tail = True
+    recipe = "tail"
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
@@ -101,11 +101,13 @@ class WindowMambaMixer(WindowRecurrentMixer):
     """The window plus a `mamba` branch."""
 
     branch = MambaMixer
+    reads = WindowMixer.reads | MambaMixer.reads
 
 
 @register_mixer("window+mamba2")
 class WindowMamba2Mixer(WindowRecurrentMixer):
-    """The window plus a `mamba2` branch (trained at mamba2's learning rates)."""
+    """The window plus a `mamba2` branch (trained by the `tail-mamba2` recipe: the lm stage at mamba2's rate)."""
 
     branch = Mamba2Mixer
-    learning_rates = Mamba2Mixer.learning_rates
+    reads = WindowMixer.reads | Mamba2Mixer.reads
+    recipe = "tail-mamba2"

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError
-from ..mixers import Mixer
+from ..mixers import MIXERS, Mixer
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHUNK = 512  # rows of logits computed at once
@@ -36,7 +36,8 @@ def tail_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The recurrent branches and gates of the model's `window+*` mixers (an error if none)."""
     found = [p for module in model.modules() if isinstance(module, Mixer) for p in module.tail_parameters()]
     if not found:
-        raise ConfigError("--trainable tail needs window+* mixers (window+mamba, window+mamba2, window+linear); this model has none")
+        kinds = ", ".join(kind for kind, mixer in MIXERS.items() if mixer.tail_parameters is not Mixer.tail_parameters)
+        raise ConfigError(f"--trainable tail needs mixers with a tail ({kinds}); this model has none")
     return found
 
 

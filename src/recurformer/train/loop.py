@@ -37,8 +37,14 @@ STAGES = ("transfer", "lm")
 TRAINABLE_SETS = ("mixers", "mixers+lora", "tail", "all")
 PRECISIONS = ("auto", "no", "bf16")
 CHECKPOINT = "checkpoint"
+STATE = "trainer_state.json"  # in the checkpoint: the step, the elapsed time and the config
 LOG = "train_log.jsonl"
 SUMMARY = "train_summary.json"
+
+
+def has_checkpoint(out_dir: str | Path) -> bool:
+    """Whether a training stage writing into `out_dir` left a complete checkpoint to resume from."""
+    return (Path(out_dir) / CHECKPOINT / STATE).is_file()
 
 
 class TrainingDiverged(RecurformerError, RuntimeError):
@@ -244,9 +250,9 @@ def train(
     checkpoint = out_dir / CHECKPOINT
     start_step, elapsed_before = 0, 0.0
     if resume:
-        if not (checkpoint / "trainer_state.json").is_file():
+        if not has_checkpoint(out_dir):
             raise ConfigError(f"--resume: no checkpoint in {out_dir}")
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        state = json.loads((checkpoint / STATE).read_text())
         if state["config"] != config.to_dict():
             changed = sorted(k for k in state["config"] if state["config"][k] != config.to_dict().get(k))
             raise ConfigError(f"--resume: the checkpoint was made with other settings ({', '.join(changed)})")
@@ -328,7 +334,7 @@ def _save_checkpoint(accelerator: Accelerator, checkpoint: Path, state: dict) ->
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
     if accelerator.is_main_process:
-        write_json_atomic(staging / "trainer_state.json", state)
+        write_json_atomic(staging / STATE, state)
         replace_directory(staging, checkpoint)
     accelerator.wait_for_everyone()
 

@@ -3,14 +3,14 @@
 
     recurformer run --mixer mamba2 --steps 40,16 --out runs/mixers/mamba2
     recurformer run --mixer window --steps 40,16 --out runs/mixers/window
-    python benchmarks/mixers.py runs/demo runs/mixers/mamba2 runs/mixers/window
+    python -m benchmarks.quality.mixers runs/demo runs/mixers/mamba2 runs/mixers/window
 
 Runs are grouped into one table per beta and evaluation (runs of an older version scored
 perplexity on other windows and have no out-of-domain or long-range numbers: they form
 their own table). Refuses runs that are unfinished or not comparable within a group
 (another model, scorer, seed, step counts or training tokens), and two runs of the same
 mixer and learning rates in a group. The columns are metrics of the run's metric table
-(`recurformer.pipeline.metric_table`): their labels and formats come from there, and the
+(`recurformer.run.metric_table`): their labels and formats come from there, and the
 best value of each column with a direction is in bold. Every run's last column pair is its
 own rival: the training-free `window` on the same groups at the same cache bytes.
 """
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.metrics import by_key
-from recurformer.mixers import MIXERS
-from recurformer.pipeline import metric_table
+from recurformer.recipe import recipe_for
+from recurformer.run import metric_table
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import RESULTS
+
 SHARED = ("model", "scorer", "seed", "quick", "transfer_steps", "transfer_tokens", "lm_steps", "lm_tokens",
           "ppl_tokens", "ppl_original", "bench_context")
 GROUP = ("beta", "ppl_context")  # one table per value; ppl_context is None in runs of an older version
@@ -53,9 +53,9 @@ def learning_rates(run: dict) -> tuple[float, float]:
 
 
 def label(run: dict) -> str:
-    """The mixer, and the learning rates when they are not that mixer's defaults."""
+    """The mixer, and the learning rates when they are not its recipe's."""
     lrs = learning_rates(run)
-    return run["mixer"] + ("" if lrs == MIXERS[run["mixer"]].learning_rates else f" (lr {lrs[0]:g}, {lrs[1]:g})")
+    return run["mixer"] + ("" if lrs == recipe_for(run["mixer"]).learning_rates else f" (lr {lrs[0]:g}, {lrs[1]:g})")
 
 
 def groups(runs: list[dict]) -> dict[tuple, list[dict]]:

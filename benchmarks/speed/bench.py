@@ -4,7 +4,7 @@ training), in one process.
 
 Writes bench.json and bench.png to `--out` (default docs/results), and prints a markdown table.
 
-    python benchmarks/bench.py [--contexts 512,2048,8150] [--decode-steps 32] [--rounds 3] [--variants mamba:0.5,window:0.5] [--out DIR]
+    python -m benchmarks.speed.bench [--contexts 512,2048,8150] [--decode-steps 32] [--rounds 3] [--variants mamba:0.5,window:0.5] [--out DIR]
 
 A variant is `mixer:beta`, optionally followed by `:window=W` and `:ssd_state=N` (`run`'s
 default shape: `window+mamba2:0.5:window=141:ssd_state=16`).
@@ -21,8 +21,8 @@ from recurformer.commands import bench_command, convert_command
 from recurformer.config import MixerConfig
 from recurformer.scoring import SelectionConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import RESULTS, ROOT
+
 VARIANTS = "mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,window+mamba2:0.5"
 
 

@@ -1,5 +1,5 @@
 """The shared problem set of the equal-cache comparison (docs/results/long-context.md, "Peers at
-equal cache bytes"): token ids that every row reads, ours (`long_context_peers.py`) and
+equal cache bytes"): token ids that every row reads, ours (`benchmarks/peers/ours.py`) and
 kvpress's (`peers/kvpress_eval.py`, another virtual environment that cannot import recurformer).
 
 - `passkey`: our `passkey` task's problems (`tasks/passkey.py`: its generator, format `oneshot`,
@@ -12,7 +12,7 @@ kvpress's (`peers/kvpress_eval.py`, another virtual environment that cannot impo
   `prefix + scored`): a row prefills `prefix` tokens, then scores the next-token predictions of
   the `scored` tokens after them.
 
-    python benchmarks/long_context_problems.py --out runs/long-context-problems.json
+    python -m benchmarks.peers.problems --out runs/long-context-problems.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -31,9 +30,8 @@ from recurformer.evaluate.passkey import BEST_FORMAT
 from recurformer.files import write_json_atomic
 from recurformer.tasks.passkey import FORMATS, generate_passkey
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
-TEXTS = {"heldout": DATA / "wikitext-2-raw-test.txt", "ood": DATA / "lee-background-news.txt"}
+from benchmarks.common import DATA, ROOT, TEXTS
+
 HAYSTACK = DATA / "tinyshakespeare.txt"
 SCHEMA = "recurformer-long-context-problems/1"
 

@@ -4,7 +4,7 @@ each continual-training stage, for init=reuse and init=random, at a fixed CPU bu
 Writes docs/results/recovery.json and docs/results/recovery.md. Resumable: a stage whose
 output holds train_summary.json (or a metrics file) is not run again.
 
-    python benchmarks/recovery.py [--work runs/recovery] [--transfer-steps 70] [--lm-steps 50]
+    python -m benchmarks.quality.recovery [--work runs/recovery] [--transfer-steps 70] [--lm-steps 50]
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from pathlib import Path
 
 from recurformer.commands import analyze_command, convert_command, eval_command, train_command
 from recurformer.files import write_json_atomic, write_text_atomic
+from recurformer.recipe import RECIPES
 from recurformer.scoring import SelectionConfig
-from recurformer.train import TrainConfig
+from recurformer.train import has_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data"
-TRAIN = [str(DATA / "wikitext-2-valid.txt"), str(DATA / "tinyshakespeare.txt")]
-EVAL = [str(DATA / "wikitext-2-raw-test.txt")]
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import HELD_OUT, RESULTS, ROOT, TRAIN
+
+EVAL = [str(HELD_OUT)]
+DATA = [str(path) for path in TRAIN]
+RECIPE = RECIPES["mixers"]  # run's recipe of the mamba mixer this study converts to
 
 
 def once(path: Path, make):
@@ -51,7 +52,7 @@ def main() -> None:
 
     scores = work / "scores.json"
     if not scores.exists():
-        analyze_command(args.model, TRAIN[:1], str(scores), selection=SelectionConfig(scorer="recency"))
+        analyze_command(args.model, DATA[:1], str(scores), selection=SelectionConfig(scorer="recency"))
     rows = [{"variant": "original", "stage": "-", **ppl(args.model, "original")}]
     for init in ("reuse", "random"):
         converted = work / f"converted-{init}"
@@ -59,17 +60,15 @@ def main() -> None:
             convert_command(args.model, str(scores), str(converted), SelectionConfig(beta=args.beta, scorer="recency"), init=init, force=True)
         rows.append({"variant": f"init={init}", "stage": "converted, untrained", **ppl(str(converted), f"{init}-untrained")})
         transfer = work / f"transfer-{init}"
-        config = TrainConfig(stage="transfer", steps=args.transfer_steps, seq_len=512, batch_size=8, lr=5e-3,
-                             checkpoint_every=10)
+        config = RECIPE.transfer.train_config("transfer", args.transfer_steps, seed=0)
         summary = once(transfer / "train_summary.json", lambda: train_command(
-            str(converted), TRAIN, str(transfer), config, resume=(transfer / "checkpoint").exists()))
+            str(converted), DATA, str(transfer), config, resume=has_checkpoint(transfer)))
         rows.append({"variant": f"init={init}", "stage": "after transfer", **ppl(str(transfer), f"{init}-transfer"),
                      "train_tokens": summary["tokens"], "train_minutes": summary["elapsed_s"] / 60})
     lm = work / "lm-reuse"
-    config = TrainConfig(stage="lm", steps=args.lm_steps, seq_len=512, batch_size=8, lr=1e-3, trainable="mixers+lora",
-                         distill_weight=1.0, checkpoint_every=10)
+    config = RECIPE.lm.train_config("lm", args.lm_steps, seed=0)
     summary = once(lm / "train_summary.json", lambda: train_command(
-        str(work / "transfer-reuse"), TRAIN, str(lm), config, resume=(lm / "checkpoint").exists()))
+        str(work / "transfer-reuse"), DATA, str(lm), config, resume=has_checkpoint(lm)))
     transfer_summary = json.loads((work / "transfer-reuse" / "train_summary.json").read_text())
     rows.append({"variant": "init=reuse", "stage": "after transfer + lm", **ppl(str(lm), "reuse-lm"),
                  "train_tokens": transfer_summary["tokens"] + summary["tokens"],

@@ -5,8 +5,8 @@ the tail recipe (transfer stage on the tail, then KL-only distillation; docs/tra
 measures perplexity on 2,048-token windows of held-out and out-of-domain text, and appends
 one JSON line to `--out`:
 
-    python benchmarks/tail_study.py --kind window --window 64 --out runs/tail/study.jsonl
-    python benchmarks/tail_study.py --kind window+mamba2 --transfer-steps 30 --lm-steps 12 --out ...
+    python -m benchmarks.quality.tail_study --kind window --window 64 --out runs/tail/study.jsonl
+    python -m benchmarks.quality.tail_study --kind window+mamba2 --transfer-steps 30 --lm-steps 12 --out ...
 
 `--tail evicted` replaces the recurrent branch of window+mamba2 by one that reads only the
 tokens older than the window (full forward only, no decoding: the experiment behind the
@@ -32,14 +32,14 @@ from recurformer import HeadScores, MixerConfig, convert, select_heads
 from recurformer.data import load_documents, token_sequences, tokenize_documents
 from recurformer.mixers import Mamba2Mixer, window_recurrent
 from recurformer.ops.ssd import ssd
+from recurformer.hub import resolve_model
+from recurformer.recipe import RECIPES
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, train
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
-MODEL = Path.home() / ".cache" / "recurformer" / "models" / "smollm2-135m"
-SCORES = ROOT / "docs" / "results" / "smollm2-135m-scores.json"
-TRAIN = ("wikitext-2-valid.txt", "tinyshakespeare.txt")
-EVAL = {"heldout": "wikitext-2-raw-test.txt", "ood": "lee-background-news.txt"}
+from benchmarks.common import RESULTS, TEXTS, TRAIN
+
+SCORES = RESULTS / "smollm2-135m-scores.json"
+TAIL = RECIPES["tail"]  # the study's defaults: run's tail recipe
 
 
 class EvictedTailMamba2(Mamba2Mixer):
@@ -72,8 +72,9 @@ class EvictedTailMamba2(Mamba2Mixer):
 
 
 def load_teacher():
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(MODEL)
+    directory = resolve_model("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(directory)
 
 
 BUCKETS = ((1, 64), (64, 256), (256, 1024), (1024, 2048))
@@ -85,8 +86,8 @@ def evaluate(model, tokenizer, tokens: int, context: int) -> tuple[dict, dict]:
     (as `evaluate.perplexity` with stride = context), and by the scored token's position
     in its window (BUCKETS, [first, last) positions)."""
     results, by_position = {}, {}
-    for name, file in EVAL.items():
-        ids = torch.tensor(tokenize_documents(tokenizer, load_documents([DATA / file])))[:tokens]
+    for name, file in TEXTS.items():
+        ids = torch.tensor(tokenize_documents(tokenizer, load_documents([file])))[:tokens]
         nll = torch.zeros(context)
         count = torch.zeros(context)
         for start in range(0, len(ids) - 1, context):
@@ -113,10 +114,10 @@ def main() -> None:
     p.add_argument("--transfer-steps", type=int, default=0)
     p.add_argument("--lm-steps", type=int, default=0)
     p.add_argument("--unfreeze-steps", type=int, default=0, help="lm steps on all mixer weights (window too) after the tail")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--transfer-lr", type=float, default=5e-3)
-    p.add_argument("--lm-lr", type=float, default=1e-3)
+    p.add_argument("--seq-len", type=int, default=TAIL.transfer.seq_len)
+    p.add_argument("--batch", type=int, default=TAIL.transfer.batch_size)
+    p.add_argument("--transfer-lr", type=float, default=TAIL.transfer.lr)
+    p.add_argument("--lm-lr", type=float, default=TAIL.lm.lr)
     p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--label", default="")
@@ -141,7 +142,7 @@ def main() -> None:
         model = convert(teacher, spec, config, init="reuse")
         record["groups"] = len(spec.groups)
         out_dir = Path(args.out).parent / f"train-{os.getpid()}"
-        sequences = token_sequences(tokenizer, load_documents([DATA / f for f in TRAIN]), args.seq_len, seed=0)
+        sequences = token_sequences(tokenizer, load_documents(TRAIN), args.seq_len, seed=0)
         tail = "tail" if args.kind.startswith("window+") else "mixers"
         stages = []
         if args.transfer_steps:

@@ -11,7 +11,7 @@ one step each per round, so a change in the machine's load touches all of them a
 Median over the timed steps after warm-up. Writes decode_profile.json and
 decode_profile.png to `--out` (default docs/results) and prints a markdown table.
 
-    python benchmarks/decode_profile.py [--context 8150] [--steps 24] [--out DIR]
+    python -m benchmarks.speed.decode_profile [--context 8150] [--steps 24] [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from recurformer.loading import load_converted, load_model
 from recurformer.report import save_figure
 from recurformer.scoring import SelectionConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import RESULTS, ROOT
+
 ATTENTION, STEP, CACHE, MLP, HEAD, REST = (
     "kept attention", "replaced step", "cache bookkeeping", "mlp", "norm + lm_head", "rest",
 )

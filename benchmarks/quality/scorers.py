@@ -1,7 +1,7 @@
 """Which groups to window: the `recency`, `ablation`, `ablation-greedy` and `random` scorers
 compared on SmolLM2-135M with the training-free `window` mixer (window 64 + 4 sinks), no training.
 
-    python benchmarks/scorers.py            # resumes: finished measurements are kept in the JSON
+    python -m benchmarks.quality.scorers            # resumes: finished measurements are kept in the JSON
 
 Scores: the recency scores of docs/results/smollm2-135m-scores.json; the ablation costs are
 measured on wikitext-2-valid (calibration text only), once per setting in `ABLATIONS`, and
@@ -36,11 +36,10 @@ from recurformer.loading import load_model
 from recurformer.scoring import HeadScores, SelectionConfig, record_ablation
 from recurformer.surgery import convert
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
-DATA = ROOT.parent / "shared" / "data"
-TEXTS = {"held-out": "wikitext-2-raw-test.txt", "out-of-domain": "lee-background-news.txt"}
-CALIBRATION = "wikitext-2-valid.txt"
+from benchmarks.common import HELD_OUT, OUT_OF_DOMAIN, RESULTS, ROOT, TRAIN
+
+TEXTS = {"held-out": HELD_OUT, "out-of-domain": OUT_OF_DOMAIN}
+CALIBRATION = TRAIN[0]  # the ablation costs are measured on the first training corpus
 # measurement -> its settings; variant -> (scorer, the measurement its scores need, or None: the recency scores)
 ABLATIONS = {"ablation-greedy": AblationConfig(),
              "ablation-2048": AblationConfig(ablation_seq_len=2048, ablation_from=1024, ablation_rounds=1)}
@@ -69,7 +68,7 @@ def perplexities(model, tokenizer, args) -> dict:
     task = TASKS["ppl"]
     out = {}
     for name, file in TEXTS.items():
-        options = PerplexityOptions(data=[str(DATA / file)], context=args.context, max_tokens=args.tokens, batch_size=1)
+        options = PerplexityOptions(data=[str(file)], context=args.context, max_tokens=args.tokens, batch_size=1)
         out[name] = task.evaluate(model.eval(), tokenizer, options)["ppl"]
     return out
 
@@ -112,7 +111,7 @@ def main() -> None:
     recency = HeadScores.load(args.scores)
     recency.check_model(net, args.model)
     measured = {name: ablation_scores(net, tokenizer, HeadScores.load(args.scores),
-                                      RESULTS / f"smollm2-135m-{name}-scores.json", DATA / CALIBRATION, config)
+                                      RESULTS / f"smollm2-135m-{name}-scores.json", CALIBRATION, config)
                 for name, config in ABLATIONS.items() if any(VARIANTS[v][1] == name for v in args.scorers)}
     scores = {v: measured[VARIANTS[v][1]] if VARIANTS[v][1] else recency for v in args.scorers}
     out = Path(args.out)
@@ -151,15 +150,15 @@ def write_section(path: Path, summary: dict, args) -> None:
     head = text.split(SECTION)[0].rstrip("\n")
     tail = text.split(END, 1)[1] if END in text else "\n"
     lines = [SECTION, "", BEGIN,
-             (f"`python benchmarks/scorers.py` ([`scorers.json`](scorers.json)): SmolLM2-135M, every selected group "
+             (f"`python -m benchmarks.quality.scorers` ([`scorers.json`](scorers.json)): SmolLM2-135M, every selected group "
              f"replaced by the training-free `window` mixer (window 64 + 4 sinks, the heads' own weights), no "
-             f"training. Perplexity on the first {args.tokens:,} tokens of `wikitext-2-raw-test.txt` (held-out) "
-             f"and `lee-background-news.txt` (out-of-domain) in {args.context}-token windows; ratio to the "
+             f"training. Perplexity on the first {args.tokens:,} tokens of `{HELD_OUT.name}` (held-out) "
+             f"and `{OUT_OF_DOMAIN.name}` (out-of-domain) in {args.context}-token windows; ratio to the "
              f"original measured the same way. `random` is one draw (seed 0)."), "",
              table(summary["perplexity"], args.betas), ""]
     for name, a in summary["ablations"].items():
         rounds = a.get("ablation_rounds", 1)
-        lines.append(f"`{name}` costs: {a['ablation_sequences']} x {a['ablation_seq_len']} tokens of `{CALIBRATION}`, "
+        lines.append(f"`{name}` costs: {a['ablation_sequences']} x {a['ablation_seq_len']} tokens of `{CALIBRATION.name}`, "
                      f"NLL of tokens at positions >= {a['ablation_from']} (base NLL {a['base_nll']:.4f} nats), "
                      f"{rounds} round{'s' if rounds > 1 else ''}, {a['seconds']:.0f} s"
                      + (" (rounds: " + ", ".join(f"{t:.0f} s" for t in a["round_seconds"]) + "; NLL with the earlier "

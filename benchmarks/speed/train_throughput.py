@@ -8,7 +8,7 @@ keeps its median over the rounds with the range.
 
 Writes docs/results/train_throughput.json.
 
-    python benchmarks/train_throughput.py [--beta 0.5] [--steps 3] [--rounds 3]
+    python -m benchmarks.speed.train_throughput [--beta 0.5] [--steps 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -26,8 +25,9 @@ from recurformer.loading import load_model
 from recurformer.train.lm import LMObjective
 from recurformer.train.loop import resolve_precision
 
-ROOT = Path(__file__).resolve().parent.parent
-SCORES = ROOT / "docs" / "results" / "smollm2-135m-scores.json"
+from benchmarks.common import RESULTS
+
+SCORES = RESULTS / "smollm2-135m-scores.json"
 # (model kind, trainable set, recompute): the original first, as the baseline of the ratios
 ROWS = (
     ("original", "all", True),
@@ -85,7 +85,7 @@ def main() -> None:
         rows.append({"model": kind, "trainable": trainable, "recompute": recompute,
                      "tokens_per_s": statistics.median(values), "ratio_to_original": statistics.median(ratios),
                      "ratio_range": [min(ratios), max(ratios)]})
-    write_json_atomic(ROOT / "docs" / "results" / "train_throughput.json", {
+    write_json_atomic(RESULTS / "train_throughput.json", {
         "bf16_autocast": autocast, "beta": args.beta, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "timed_steps": args.steps, "rounds": args.rounds, "threads": torch.get_num_threads(), "rows": rows,
     })

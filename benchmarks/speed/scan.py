@@ -26,7 +26,7 @@ and docs/results/scan.png; parts not measured in a run are kept from the existin
 The compiled kernels are built (or found in the build cache) before anything is timed;
 without them (no compiler, or RECURFORMER_KERNELS=torch) the compiled columns are left out.
 
-    python benchmarks/scan.py [--parts selective,ssd] [--lengths 256,1024,4096] [--repeats 5] [--threads N]
+    python -m benchmarks.speed.scan [--parts selective,ssd] [--lengths 256,1024,4096] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from recurformer.ops.selective_scan import (
 from recurformer.ops.ssd import ssd_chunked, ssd_compiled, ssd_naive
 from recurformer.ops.ssd.chunked import DEFAULT_CHUNK as SSD_CHUNK
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import RESULTS
+
 CHANNELS, N_STATE = 384, 16
 
 SSD_HEADS, SSD_GROUPS, SSD_HEAD_DIM, SSD_STATE = 9, 3, 64, 64

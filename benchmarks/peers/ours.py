@@ -1,6 +1,6 @@
 """Ways to shrink SmolLM2-135M's KV cache, measured alike at equal cache bytes: our rows.
 
-Every row reads the problem set of `long_context_problems.py` and is measured the way
+Every row reads the problem set of `benchmarks/peers/problems.py` and is measured the way
 `peers/kvpress_eval.py` measures kvpress's presses (docs/results/long-context.md, "Peers at
 equal cache bytes"):
 
@@ -11,7 +11,7 @@ equal cache bytes"):
 - cache bytes: held and reserved by the cache once the first held-out sequence's 8,192 tokens
   are in it (prefix + scored; our caches do not depend on how the tokens arrived);
 - passkey: prefill the context (`ids[:question_start]`), feed the question at its positions,
-  then 8 greedy tokens; the completions are stored and scored by the table (`long_context_table.py`).
+  then 8 greedy tokens; the completions are stored and scored by the table (`benchmarks/peers/table.py`).
 
 Rows (`--rows`): `original`; `window64-b<beta>` (our training-free `window` mixer, 64 + 4 sinks,
 recency scores); `window-eqwm2-b<beta>` (its window sized to the bytes of a `window+mamba2`
@@ -20,7 +20,7 @@ bytes of `window64-b<beta>`); `duo-b<beta>` (DuoAttention-style: the `ablation` 
 retrieval groups, the others windowed 64 + 4 sinks); and trained models given as
 `--model NAME=DIR`. Rows already in `--out` are kept, not recomputed.
 
-    python benchmarks/long_context_peers.py --rows original,window64-b0.5,streaming-b0.5 \\
+    python -m benchmarks.peers.ours --rows original,window64-b0.5,streaming-b0.5 \\
         --model wm2-b0.5-trained=/work/runs/wm2-b05-s40-16/final
 """
 
@@ -45,8 +45,8 @@ from recurformer.files import write_json_atomic
 from recurformer.loading import load_any, load_model
 from recurformer.modeling import RecurFormerForCausalLM
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import RESULTS, ROOT
+
 SCHEMA = "recurformer-long-context-rows/1"
 ANSWER_TOKENS = 8
 SINKS = 4

@@ -5,7 +5,7 @@ becomes `recurformer.evaluate.passkey.BEST_FORMAT`.
 
 One torch thread (the machine is shared); a few minutes:
 
-    PYTHONPATH=src python benchmarks/passkey_prompts.py
+    python -m benchmarks.long_context.passkey_prompts
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.loading import load_model
 from recurformer.tasks.passkey import FORMATS
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import DATA, RESULTS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--haystack", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    parser.add_argument("--haystack", default=str(DATA / "tinyshakespeare.txt"))
     parser.add_argument("--contexts", default="1024,2048")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--problems", type=int, default=2, help="problems per depth")
@@ -52,7 +51,7 @@ def main() -> None:
     lines = ["# Passkey prompt formats on the original model", "",
              (f"Model `{args.model}`, haystack `{summary['haystack']}`, depths {', '.join(map(str, depths))}, "
               f"{args.problems} problems per depth (seed 0), greedy, exact match, 1 torch thread. Written by "
-              "`benchmarks/passkey_prompts.py`; the formats are described in `src/recurformer/tasks/passkey.py`."), "",
+              "`benchmarks/long_context/passkey_prompts.py`; the formats are described in `src/recurformer/tasks/passkey.py`."), "",
              "| format | " + " | ".join(f"{c} tokens" for c in contexts) + " |",
              "|---|" + "---|" * len(contexts)]
     for fmt in FORMATS:

@@ -4,7 +4,7 @@ Reads the JSON files of `recurformer eval MODEL --task passkey --out FILE.json` 
 and context) and draws, for each model (the files' `model`, or `--name NAME=FILE`), the
 accuracy of every (context, depth) cell, annotated with correct / problems:
 
-    python benchmarks/passkey_heatmap.py docs/results/long-context/passkey-*.json \\
+    python -m benchmarks.long_context.passkey_heatmap docs/results/long-context/passkey-*.json \\
         --out docs/results/long-context/passkey-heatmap.png
 """
 

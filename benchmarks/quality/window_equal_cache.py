@@ -7,14 +7,12 @@ out-of-domain perplexity (16,384 tokens in windows of 1,024) of the
 original, the default window (64 + 4 sinks) and the equal-bytes window, with the scores
 given (default: a run's `scores.json`). Writes docs/results/window-equal-cache.json.
 
-    python benchmarks/window_equal_cache.py --scores runs/x/scores.json
+    python -m benchmarks.quality.window_equal_cache --scores runs/x/scores.json
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 import torch
 
@@ -24,17 +22,15 @@ from recurformer.evaluate import lookup_task, make_options
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
-TEXTS = {"heldout": DATA / "wikitext-2-raw-test.txt", "ood": DATA / "lee-background-news.txt"}
+from benchmarks.common import RESULTS, TEXTS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scores", default=str(ROOT / "docs" / "results" / "smollm2-135m-scores.json"))
+    parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--kind", default="window+mamba2", help="the mixer whose state bytes the window matches")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "window-equal-cache.json"))
+    parser.add_argument("--out", default=str(RESULTS / "window-equal-cache.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model("smollm2-135m")

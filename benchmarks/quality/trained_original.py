@@ -13,14 +13,13 @@ original where it is close to it and this control does not explain the differenc
 tail recipe of the window+* mixers trains on the KL alone, which leaves the original where
 it is: for them the control is the original itself.
 
-    python benchmarks/trained_original.py --out docs/results/trained-original.json
+    python -m benchmarks.quality.trained_original --out docs/results/trained-original.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import torch
 
@@ -28,12 +27,12 @@ from recurformer.data import load_documents, token_sequences
 from recurformer.evaluate import lookup_task, make_options
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
-from recurformer.train import CHECKPOINT, TrainConfig, objective_for, train
+from recurformer.recipe import RECIPES
+from recurformer.train import has_checkpoint, objective_for, train
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
-TRAIN = [DATA / "wikitext-2-valid.txt", DATA / "tinyshakespeare.txt"]
-TEXTS = {"heldout": DATA / "wikitext-2-raw-test.txt", "ood": DATA / "lee-background-news.txt"}
+from benchmarks.common import RESULTS, TEXTS, TRAIN
+
+LM = RECIPES["mixers"].lm  # the lm stage of run's recipe for the mixers without a tail
 
 
 def perplexities(model, tokenizer) -> dict[str, float]:
@@ -46,19 +45,18 @@ def perplexities(model, tokenizer) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps of 8 x 512 tokens (the lm stage's)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (the lm stage's)")
+    parser.add_argument("--lr", type=float, default=LM.lr, help="peak learning rate (the lm stage's)")
     parser.add_argument("--work", default="runs/trained-original", help="checkpoints (a re-run resumes)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "trained-original.json"))
+    parser.add_argument("--out", default=str(RESULTS / "trained-original.json"))
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model, tokenizer, _ = load_model("smollm2-135m")
     teacher, _, _ = load_model("smollm2-135m")
     before = perplexities(model, tokenizer)
     print("original", before, flush=True)
-    config = TrainConfig(stage="lm", steps=args.steps, seq_len=512, batch_size=8, lr=args.lr, seed=0,
-                         trainable="mixers+lora", distill_weight=1.0, checkpoint_every=5)
+    config = LM.train_config("lm", args.steps, seed=0, lr=args.lr)
     sequences = token_sequences(tokenizer, load_documents(TRAIN), config.seq_len, seed=0)
-    resume = (Path(args.work) / CHECKPOINT / "trainer_state.json").is_file()
+    resume = has_checkpoint(args.work)
     summary = train(model, objective_for(config, model, teacher), sequences, config, args.work, resume=resume)
     after = perplexities(model, tokenizer)
     print("trained original", after, flush=True)

@@ -1,6 +1,6 @@
 """The retrieval study's design: the tasks, the settings (`Study`), the grid of variants,
 the resumable units of work and the seeds of every problem stream. See
-`retrieval_study.py` for what the study does and `retrieval_report.py` for its results."""
+`study.py` for what the study does and `report.py` for its results."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The equal-cache table of docs/results/long-context.md ("Peers at equal cache bytes"), rendered
-from our rows (`long_context_peers.py`) and kvpress's (`peers/kvpress_eval.py`).
+from our rows (`benchmarks/peers/ours.py`) and kvpress's (`peers/kvpress_eval.py`).
 
 Both files must hold rows made on the same problem set. Every passkey completion is scored
 here, by our task's scorer (`tasks/passkey.py`: the first run of digits equals the key), so all
 rows are scored alike. A missing or malformed file fails with one line naming it.
 
-    python benchmarks/long_context_table.py [--out table.md]
+    python -m benchmarks.peers.table [--out table.md]
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from recurformer.errors import RecurformerError
 from recurformer.files import write_text_atomic
 from recurformer.tasks.passkey import parse_key
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "long-context"
+from benchmarks.common import RESULTS as ALL_RESULTS
+
+RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-long-context-rows/1"
 TEXTS = ("heldout", "ood")
 

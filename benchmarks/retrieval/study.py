@@ -12,11 +12,11 @@ Resumable: every unit of work (a trained base model with its head scores, a conv
 trained variant, an evaluation) is written atomically into `--work` and skipped when it
 exists. At the end, `results.json`, `README.md` and plots are written into `--out`.
 
-    python benchmarks/retrieval_study.py                # the full study (< 2 h on 2 cores)
-    python benchmarks/retrieval_study.py --part headline  # beta 0 and the headline rows only
-    python benchmarks/retrieval_study.py --estimate     # pending units and measured time per unit
-    python benchmarks/retrieval_study.py --report-only  # results.json, README.md and plots from finished units
-    python benchmarks/retrieval_study.py --quick --out /tmp/q --work /tmp/q/work  # pipeline check
+    python -m benchmarks.retrieval.study                # the full study (< 2 h on 2 cores)
+    python -m benchmarks.retrieval.study --part headline  # beta 0 and the headline rows only
+    python -m benchmarks.retrieval.study --estimate     # pending units and measured time per unit
+    python -m benchmarks.retrieval.study --report-only  # results.json, README.md and plots from finished units
+    python -m benchmarks.retrieval.study --quick --out /tmp/q --work /tmp/q/work  # pipeline check
 
 Decisions ([ours], see docs/results/retrieval/README.md): longer contexts keep the
 training density (2x the tokens hold 2x the pairs or chains), so a fixed-size state must
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 import torch
-from retrieval_design import EVAL_SEED, PARTS, Study, Unit, Variant, check_work_dir, data_seed, plan
-from retrieval_report import write_report
+from benchmarks.retrieval.design import EVAL_SEED, PARTS, Study, Unit, Variant, check_work_dir, data_seed, plan
+from benchmarks.retrieval.report import write_report
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -51,7 +51,7 @@ from recurformer.surgery import convert
 from recurformer.tasks import align_predictions
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, train
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import ROOT
 
 
 # ---------------------------------------------------------------------------- units

@@ -18,9 +18,9 @@ Each invocation is one run, stored under `--label` beside earlier runs in the JS
 code before a fix and after it can be measured with the same script):
 
     git archive <commit> src | tar -x -C /tmp/base   # the code before the fix
-    PYTHONPATH=/tmp/base/src python benchmarks/precision.py --label before --note "main at <commit>"
-    PYTHONPATH=src python benchmarks/precision.py --label after
-    PYTHONPATH=src python benchmarks/precision.py --label "after, bf16 state" --state-dtype bfloat16 --skip-empty-spec
+    PYTHONPATH=/tmp/base/src python -m benchmarks.quality.precision --label before --note "main at <commit>"
+    python -m benchmarks.quality.precision --label after
+    python -m benchmarks.quality.precision --label "after, bf16 state" --state-dtype bfloat16 --skip-empty-spec
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import recurformer
 from recurformer import HeadScores, HybridCache, MixerConfig, ReplacementSpec, convert, select_heads
 from recurformer.cache import CACHE_ARGUMENT
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "docs" / "results"
+from benchmarks.common import HELD_OUT, RESULTS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = ("mamba", "mamba2", "window")
 
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="free text stored with the run")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"))
+    parser.add_argument("--data", default=str(HELD_OUT))
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype of the decode measurement")
     parser.add_argument("--state-dtype", choices=sorted(DTYPES), help="MixerConfig.state_dtype (default: the code's default)")

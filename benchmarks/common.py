@@ -1,0 +1,22 @@
+"""What the benchmark scripts share: where the repository, its results and the corpora are.
+
+The corpora are the shared text files in `$RECURFORMER_DATA`, else `../shared/data` beside
+the repository, in the roles `recurformer.data` gives them. (`peers/kvpress_eval.py` runs in
+an environment without recurformer and finds the results folder itself.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from recurformer.data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+DATA = Path(os.environ.get(DATA_ENV, ROOT.parent / "shared" / "data"))
+
+TRAIN = [DATA / name for name in TRAIN_CORPORA]
+HELD_OUT = DATA / EVAL_CORPORA[0]
+OUT_OF_DOMAIN = DATA / OUT_OF_DOMAIN_CORPORA[0]
+TEXTS = {"heldout": HELD_OUT, "ood": OUT_OF_DOMAIN}  # the two evaluation texts, as the results name them

@@ -1,0 +1,1 @@
+"""Benchmark scripts; see docs/benchmarks.md."""

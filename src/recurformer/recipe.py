@@ -1,0 +1,128 @@
+"""[ours] How `recurformer run` trains a converted model: the recipes, in one place.
+
+A run trains in two stages (docs/training.md): `transfer` (each layer's mixer learns to
+reproduce the outputs of the heads it replaced, the rest of the model frozen) and `lm`
+(end to end through the frozen model). A `Recipe` says, for each stage, what trains, on
+which loss, on sequences of which length, at which peak learning rate, and how the time
+budget is shared between the stages. Each mixer kind names its recipe (`Mixer.recipe`);
+the pipeline, the benchmarks that train like `run` and the run's report all read it here.
+
+| recipe | kinds | transfer | lm |
+|---|---|---|---|
+| `mixers` | mamba, window | mixers, 5e-3, 8 x 512 tokens | mixers + LoRA, cross-entropy + KL, 1e-3 |
+| `mamba2` | mamba2 | as `mixers` | as `mixers` at 2e-4 (1e-3 diverges: docs/mixers.md) |
+| `tail` | window+mamba, window+linear | the tail only, 5e-3, 4 x 1,024 tokens | the tail only, on the KL alone, 1e-3 |
+| `tail-mamba2` | window+mamba2 | as `tail` | as `tail` at 2e-4 |
+
+The tail recipes train only what sees beyond the window (`Mixer.tail_parameters`: the
+recurrent branch and its gate): the window keeps the replaced heads' own weights, so the
+model starts as the training-free `window` and the KL to the original is all it learns from,
+which recovers the original rather than adapting to the training text. Their sequences are
+several times the window long, with as many tokens per step as the other recipes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .mixers import MIXERS
+from .train import TrainConfig
+
+STAGES = ("transfer", "lm")
+# A step is computed in micro-batches of about this many tokens: the activations kept for the
+# backward pass, not the step's tokens, set the peak memory (docs/training.md, "Memory").
+MICRO_BATCH_TOKENS = 1024
+CHECKPOINT_EVERY = 5
+
+
+@dataclass(frozen=True)
+class StageRecipe:
+    """One stage of a recipe: what trains (`TrainConfig.trainable`), on what loss, on batches
+    of `batch_size` sequences of `seq_len` tokens, at peak learning rate `lr`."""
+
+    lr: float
+    trainable: str
+    seq_len: int
+    batch_size: int
+    distill_weight: float = 0.0  # lm: weight of the KL to the original
+    ce_weight: float = 1.0  # lm: weight of the next-token cross-entropy
+
+    def train_config(self, stage: str, steps: int, seed: int, lr: float | None = None) -> TrainConfig:
+        """The `TrainConfig` of `steps` optimizer steps of this stage (`lr`: instead of the recipe's)."""
+        tokens = self.batch_size * self.seq_len
+        grad_accum = math.gcd(self.batch_size, max(1, tokens // MICRO_BATCH_TOKENS))
+        extra = dict(distill_weight=self.distill_weight, ce_weight=self.ce_weight) if stage == "lm" else {}
+        return TrainConfig(stage=stage, steps=steps, seq_len=self.seq_len, batch_size=self.batch_size,
+                           grad_accum=grad_accum, lr=self.lr if lr is None else lr, trainable=self.trainable,
+                           checkpoint_every=CHECKPOINT_EVERY, seed=seed, **extra)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Both stages of a run's training, the share of the time budget the first one gets, and
+    the sentence the run's report says about them."""
+
+    name: str
+    summary: str
+    transfer: StageRecipe
+    lm: StageRecipe
+    quick_seq_len: int  # `run --quick`: both stages on 2 sequences of this many tokens
+    transfer_share: float = 0.35
+
+    def stage(self, name: str) -> StageRecipe:
+        return {"transfer": self.transfer, "lm": self.lm}[name]
+
+    @property
+    def learning_rates(self) -> tuple[float, float]:
+        """(transfer, lm) peak learning rates."""
+        return self.transfer.lr, self.lm.lr
+
+    @property
+    def sequence_length(self) -> int:
+        """The training sequences' length (both stages read the same sequences)."""
+        return self.transfer.seq_len
+
+    def quick(self) -> "Recipe":
+        """The same recipe at tiny sizes (`run --quick`: a smoke test)."""
+        tiny = dict(seq_len=self.quick_seq_len, batch_size=2)
+        return replace(self, transfer=replace(self.transfer, **tiny), lm=replace(self.lm, **tiny))
+
+
+_MIXERS_TEXT = ("The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced (mean "
+                "squared error, the rest of the model frozen); the `lm` stage trains the mixers and LoRA adapters on "
+                "next-token loss plus the KL divergence to the original model's predictions.")
+_TAIL_TEXT = ("The tail recipe: the window keeps the heads' own projections, and only the recurrent tail and its gate "
+              "train. The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced "
+              "(mean squared error on sequences longer than the window, the rest of the model frozen); the `lm` stage "
+              "trains the tails end to end on the KL divergence to the original model's predictions alone, which "
+              "recovers the original instead of adapting to the training text.")
+
+_MIXERS = Recipe("mixers", _MIXERS_TEXT,
+                 transfer=StageRecipe(lr=5e-3, trainable="mixers", seq_len=512, batch_size=8),
+                 lm=StageRecipe(lr=1e-3, trainable="mixers+lora", seq_len=512, batch_size=8, distill_weight=1.0),
+                 quick_seq_len=64)
+_TAIL = Recipe("tail", _TAIL_TEXT,
+               transfer=StageRecipe(lr=5e-3, trainable="tail", seq_len=1024, batch_size=4),
+               lm=StageRecipe(lr=1e-3, trainable="tail", seq_len=1024, batch_size=4, distill_weight=1.0, ce_weight=0.0),
+               quick_seq_len=96)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    _MIXERS,
+    replace(_MIXERS, name="mamba2", lm=replace(_MIXERS.lm, lr=2e-4)),
+    _TAIL,
+    replace(_TAIL, name="tail-mamba2", lm=replace(_TAIL.lm, lr=2e-4)),
+)}
+
+
+def recipe_for(kind: str) -> Recipe:
+    """The recipe `run` trains a conversion to mixer `kind` with (the kind's `Mixer.recipe`)."""
+    return RECIPES[MIXERS[kind].recipe]
+
+
+# [ours] The shape `run` converts to, where it differs from the library's defaults
+# (`MixerConfig`): the default window+mamba2 spends its state bytes on a longer window and a
+# small tail (16 state values per head instead of 64); at the bytes of a 169-token window it
+# beats that window, which the window of 64 with the full tail did not (docs/mixers.md,
+# "Window or state").
+RUN_SHAPES: dict[str, dict] = {"window+mamba2": {"window": 141, "ssd_state": 16}}

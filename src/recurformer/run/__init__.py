@@ -1,0 +1,61 @@
+"""`recurformer run`: the whole method on one model, as resumable stages, ending in a report.
+
+`config.py` holds what decides the results (`RunConfig`, stored in run.json) and the sizes
+of the stages' work, `layout.py` the run folder, `stages.py` the stages and the `Run` they
+share; `run_pipeline` (here) runs the stages that have not finished yet, in order.
+Each stage writes its outputs atomically and then its marker `stages/<name>.json`; a
+re-run skips every stage whose marker exists, and a training stage interrupted mid-way
+resumes from its last checkpoint. A folder made by another configuration is refused
+before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..memory import PeakMemory
+from .config import RunConfig, Sizes
+from .layout import RUN_SCHEMA, RunLayout
+from .stages import STAGES, Run, Stage, analyze_heads, convert_heads, metric_table, run_tasks
+
+
+def stage_weights(config: RunConfig) -> dict[str, float]:
+    """Expected seconds of each stage (the training stages share the budget as the recipe
+    says); a quick run weighs its sizes' work, not the budget."""
+    minutes = 0.0 if config.quick else config.budget_minutes
+    share = config.recipe.transfer_share
+    weights = {name: seconds / (5.0 if config.quick and seconds > 15 else 1.0) for name, _, seconds in STAGES}
+    weights["transfer"] = max(10.0, share * minutes * 60)
+    weights["lm"] = max(10.0, (1 - share) * minutes * 60)
+    return weights
+
+
+def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progress: bool = True,
+                 stages: list[tuple[str, Stage, float]] | None = None) -> dict:
+    """Run (or continue) every stage of `config` in `out`; returns the metrics."""
+    run = Run(config, out)
+    run.claim(force)
+    plan = stages or STAGES
+    weights = stage_weights(config)
+    bar = tqdm(total=round(sum(weights.get(name, seconds) for name, _, seconds in plan)), desc="run",
+               disable=not progress, bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]")
+    for number, (name, stage, seconds) in enumerate(plan, start=1):
+        bar.set_description(f"run: stage {number}/{len(plan)} {name}")
+        if run.layout.record(name) is None:
+            started = time.monotonic()
+            # settled: what earlier stages freed is not counted in this stage's peak
+            with PeakMemory(settle=True) as memory:
+                record = stage(run)
+            run.layout.finish(name, {**record, "seconds": round(time.monotonic() - started, 2),
+                                     "peak_rss_bytes": memory.peak})
+        bar.update(round(weights.get(name, seconds)))
+    bar.close()
+    return json.loads(run.layout.metrics.read_text())
+
+
+__all__ = ["RUN_SCHEMA", "STAGES", "Run", "RunConfig", "RunLayout", "Sizes", "Stage", "analyze_heads",
+           "convert_heads", "metric_table", "run_pipeline", "run_tasks", "stage_weights"]

@@ -1,0 +1,144 @@
+"""What decides a run's results: `RunConfig` (stored in `run.json`, made from `run`'s flags)
+and the sizes of the stages' work (`Sizes`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..ablation import AblationConfig
+from ..bench import BenchConfig
+from ..config import ConfigError, MixerConfig, option, parse_ssd_state, require
+from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, DataError, shared_corpora
+from ..hub import locate
+from ..recipe import RUN_SHAPES, Recipe, recipe_for
+from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
+
+
+def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
+    """A parser for `TRANSFER,LM`: two values read by `convert`."""
+
+    def parse(text: str) -> tuple:
+        try:
+            transfer, lm = (convert(part) for part in text.split(","))
+        except ValueError:
+            raise ConfigError(f"expected TRANSFER,LM {what} such as {example}, got {text!r}") from None
+        return transfer, lm
+
+    return parse
+
+
+@dataclass
+class RunConfig:
+    """Everything that determines a run's results; `run.json` stores it.
+
+    `quick` replaces every size by a tiny one (a smoke test: its numbers mean nothing).
+    """
+
+    model: str = option("smollm2-135m", "a local Hugging Face model directory or a known name")
+    data: list[str] = option(help=f"training and head-scoring text (the shared corpora, in ${DATA_ENV} or "
+                             "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA))
+    eval_data: list[str] = option(help="held-out text for perplexity and the long-range tasks", metavar="FILE",
+                                  factory=lambda: shared_corpora(EVAL_CORPORA))
+    ood_data: list[str] = option(help="out-of-domain text for perplexity and agreement (another domain than "
+                                 "--data, evaluation only)", metavar="FILE",
+                                 factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA))
+    beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
+    # [ours] not the paper's `mamba`: at equal training a window with a recurrent tail, trained
+    # by the tail recipe, ends closest to the original (docs/mixers.md)
+    mixer: str = option("window+mamba2", "mixer kind (docs/mixers.md)")
+    window: int | None = option(None, "window mixers: tokens each query attends back (default: "
+                                f"{RUN_SHAPES['window+mamba2']['window']} for window+mamba2, else {MixerConfig.window})")
+    sinks: int | None = option(None, f"window mixers: first tokens every query also attends (default "
+                               f"{MixerConfig.sinks})")
+    ssd_state: int | str | None = option(None, "mamba2 kinds: state size per head (default: "
+                                         f"{RUN_SHAPES['window+mamba2']['ssd_state']} for window+mamba2, "
+                                         f"{MixerConfig.ssd_state} for mamba2)", parse=parse_ssd_state, metavar="N")
+    scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
+    budget_minutes: float = option(25.0, "training time of both stages together")
+    steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
+                                           "(equal-token comparisons)", metavar="TRANSFER,LM",
+                                           parse=_pair(int, "step counts", "40,16"))
+    lr: tuple[float, float] | None = option(None, "learning rates of the two stages (default: the mixer's "
+                                            "recipe, docs/training.md)", metavar="TRANSFER,LM",
+                                            parse=_pair(float, "learning rates", "5e-3,1e-3"))
+    quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
+    seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
+
+    def __post_init__(self) -> None:
+        locate(self.model)
+        require(bool(self.data), "no training data: pass --data FILE...")
+        require(bool(self.eval_data), "no evaluation data: pass --eval-data FILE...")
+        require(bool(self.ood_data), "no out-of-domain evaluation data: pass --ood-data FILE...")
+        training = {str(Path(p).resolve()) for p in self.data}
+        for flag, paths in (("--eval-data", self.eval_data), ("--ood-data", self.ood_data)):
+            overlap = training & {str(Path(p).resolve()) for p in paths}
+            if overlap:
+                raise ConfigError(f"{flag} must be held out, but {min(overlap)} is also in --data")
+        SelectionConfig(self.beta, self.scorer, self.seed)
+        for name, value in RUN_SHAPES.get(self.mixer, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        self.mixer_config()
+        require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        if self.steps is not None:
+            require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
+                    f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")
+            self.steps = tuple(self.steps)
+        if self.lr is not None:
+            require(len(self.lr) == 2 and all(0 < x < 1 for x in self.lr),
+                    f"--lr must be two learning rates in (0, 1) TRANSFER,LM, got {self.lr}")
+            self.lr = tuple(self.lr)
+        for path in [*self.data, *self.eval_data, *self.ood_data]:
+            if not Path(path).is_file():
+                raise DataError(f"data file not found: {path}")
+
+    def mixer_config(self) -> MixerConfig:
+        """The mixer of the conversion: `mixer` with `window`, `sinks` and `ssd_state` where
+        given or in `RUN_SHAPES` (an error for a kind that does not read them)."""
+        return MixerConfig.from_flags(self.mixer, window=self.window, sinks=self.sinks, ssd_state=self.ssd_state)
+
+    @property
+    def recipe(self) -> Recipe:
+        """How the run trains: the mixer kind's recipe (`recipe.py`), at tiny sizes when `quick`."""
+        recipe = recipe_for(self.mixer)
+        return recipe.quick() if self.quick else recipe
+
+    @property
+    def learning_rates(self) -> tuple[float, float]:
+        """(transfer, lm): the given ones, else the recipe's."""
+        return self.lr or self.recipe.learning_rates
+
+    @property
+    def selection(self) -> SelectionConfig:
+        return SelectionConfig(self.beta, self.scorer, self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["data"] = [str(Path(p).resolve()) for p in self.data]
+        data["eval_data"] = [str(Path(p).resolve()) for p in self.eval_data]
+        data["ood_data"] = [str(Path(p).resolve()) for p in self.ood_data]
+        data["steps"] = None if self.steps is None else list(self.steps)
+        data["lr"] = None if self.lr is None else list(self.lr)
+        return data
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes of the stages' work other than training (the recipe sizes that), for a full
+    run or the tiny `quick` one; the evaluation tasks size themselves (`Task.run_options`)."""
+
+    analysis: AnalysisConfig = AnalysisConfig(sequences=16, seq_len=1024)
+    ablation: AblationConfig = AblationConfig()  # read only with --scorer ablation or ablation-greedy
+    bench: BenchConfig = BenchConfig(contexts=(512, 2048, 4096), decode_steps=32)
+    fixed_steps: int | None = None  # quick: skip the timing and train this many steps
+
+    @classmethod
+    def of(cls, config: RunConfig) -> "Sizes":
+        if not config.quick:
+            return cls()
+        return replace(cls(), analysis=AnalysisConfig(sequences=2, seq_len=128),
+                       ablation=AblationConfig(ablation_sequences=1, ablation_seq_len=128, ablation_from=64),
+                       bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)

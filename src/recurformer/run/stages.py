@@ -1,0 +1,312 @@
+"""The stages of `recurformer run`, in order, and the `Run` they share.
+
+1. `resolve`   the model (fetched once into the local cache if it is a known name), and the
+               checks that need it: its architecture, the window, the evaluation texts' length
+2. `analyze`   head statistics and scores on the training text -> scores.json, heads.png
+3. `convert`   replace the top-beta KV groups -> converted/
+4. `plan`      time one step of each training stage and turn the budget into step counts
+               (or take `steps` as given)
+5. `transfer`  train the mixers to reproduce the replaced heads -> transfer/
+6. `lm`        end-to-end training towards the original -> final/
+7. `evaluate`  every evaluation task `run` uses, on the original, the converted models and
+               the training-free window at equal cache bytes -> eval.json
+8. `bench`     cache bytes, prefill time and decode speed against the original
+9. `report`    metrics.json, report.md and the loss plot
+
+How the stages train is the mixer kind's recipe (`recipe.py`). [ours] The time budget
+(`budget_minutes`) is the training time: `plan` times one optimizer step of each stage on
+a copy of the model and fixes the step counts (the recipe's `transfer_share` of the budget
+for `transfer`, the rest for `lm`), so a re-run trains exactly the same steps whatever the
+machine's load is then; `steps` fixes them instead (to compare runs at equal tokens).
+
+`analyze_heads` and `convert_heads` are also the `analyze` and `convert` commands.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+from transformers import AutoConfig
+
+from ..ablation import AblationConfig
+from ..attention import check_window_fits
+from ..bench import against_original
+from ..config import MixerConfig
+from ..data import DataError, load_documents, token_sequences, tokenize_documents
+from ..equal_cache import equal_cache_window, window_baseline
+from ..evaluate import TASKS, RunSettings, Task
+from ..files import write_json_atomic, write_text_atomic
+from ..hub import resolve_model
+from ..loading import load_converted, load_model, portable_name, save_model
+from ..memory import release_freed_memory
+from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect, run_metric_table
+from ..modeling import check_architecture
+from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
+from ..scoring import AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
+from ..surgery import convert, parameter_report
+from ..train import CHECKPOINT, TrainConfig, has_checkpoint, objective_for, seconds_per_step, train_stage
+from .config import RunConfig, Sizes
+from .layout import RUN_SCHEMA, RunLayout
+
+
+def analyze_heads(model, tokenizer, documents: list[str], analysis: AnalysisConfig, selection: SelectionConfig,
+                  ablation: AblationConfig, model_name: str, data: list[str], out: str | Path,
+                  checkpoint: str | Path, plot: str | Path | None = None) -> HeadScores:
+    """Score every head of `model` on `documents` and write the scores to `out` (and the
+    heatmap to `plot`, the groups `selection` would replace marked). With an ablation scorer,
+    also each group's ablation cost: measured layer by layer into `checkpoint`, from which an
+    interrupted analysis resumes, and which is removed once the scores are written."""
+    scores = analyze_text(model, tokenizer, documents, analysis, seed=selection.seed, model_name=model_name,
+                          data=data, ablation=ablation_measurement(selection.scorer, ablation), checkpoint=checkpoint)
+    scores.save(out)
+    Path(checkpoint).unlink(missing_ok=True)
+    if plot:
+        plot_head_heatmap(scores, plot, selection.select(scores))
+    return scores
+
+
+def convert_heads(model, tokenizer, scores: HeadScores, selection: SelectionConfig, mixer: MixerConfig, init: str,
+                  model_name: str, out: str | Path):
+    """Replace the groups `selection` picks from `scores` by `mixer`s and save the converted
+    model and `tokenizer` into `out`. Returns (the converted model, a record: the groups
+    replaced, their fraction and the parameter counts)."""
+    scores.check_model(model, model_name)
+    spec = selection.select(scores)
+    converted = convert(model, spec, mixer, init=init, seed=selection.seed, source_model=portable_name(model_name))
+    save_model(converted, tokenizer, out)
+    return converted, {"groups": len(spec.groups), "fraction": spec.fraction, **parameter_report(model, converted)}
+
+
+class Run:
+    """One run in this process: its configuration and folder, the original model and its
+    tokenizer (loaded once), the training text, and the converted model the last stage
+    handed on (the next stage takes it from there instead of loading it again)."""
+
+    def __init__(self, config: RunConfig, out: str | Path):
+        self.config, self.layout = config, RunLayout(out)
+        self.sizes, self.recipe = Sizes.of(config), config.recipe
+        self._held: tuple[str, Any] | None = None
+
+    @property
+    def out(self) -> Path:
+        return self.layout.root
+
+    def claim(self, force: bool) -> None:
+        self.layout.claim(self.config.to_dict(), force)
+
+    @cached_property
+    def _loaded_original(self):
+        model, tokenizer, _ = load_model(self.config.model)
+        return model, tokenizer
+
+    @property
+    def original(self):
+        """The original model, loaded once."""
+        return self._loaded_original[0]
+
+    @property
+    def tokenizer(self):
+        return self._loaded_original[1]
+
+    @cached_property
+    def train_documents(self) -> list[str]:
+        return load_documents(self.config.data)
+
+    @cached_property
+    def train_sequences(self) -> Tensor:
+        """`[N, seq_len]` training sequences of the recipe's length, shuffled with the run's seed."""
+        return token_sequences(self.tokenizer, self.train_documents, self.recipe.sequence_length, seed=self.config.seed)
+
+    def model(self, name: str):
+        """The converted model `name` (converted, transfer or final): the one the last stage
+        handed on if it is that one, else loaded from its folder (and held instead)."""
+        if self._held is None or self._held[0] != name:
+            self.let_go()
+            self._held = (name, load_converted(self.layout.model(name))[0])
+        return self._held[1]
+
+    def hand_on(self, name: str, model) -> None:
+        """Hold `model` as the converted model `name` for the next stage."""
+        self._held = (name, model)
+
+    def let_go(self) -> None:
+        """Let go of the held model and return its memory to the OS."""
+        self._held = None
+        release_freed_memory()
+
+    def train_config(self, stage: str, steps: int) -> TrainConfig:
+        """The recipe's `stage` for `steps` optimizer steps, at the run's learning rate."""
+        lr = dict(zip(("transfer", "lm"), self.config.learning_rates))[stage]
+        return self.recipe.stage(stage).train_config(stage, steps, self.config.seed, lr=lr)
+
+    def task_settings(self) -> RunSettings:
+        return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed,
+                           ood_data=tuple(self.config.ood_data))
+
+
+Stage = Callable[[Run], dict]
+
+
+def run_tasks() -> list[Task]:
+    """The evaluation tasks `run` uses, in report order."""
+    return sorted((t for t in TASKS.values() if t.run_options is not None), key=lambda t: t.report_order)
+
+
+def evaluation_tokens(settings: RunSettings) -> int:
+    """The most tokens of one evaluation text that the run's tasks read at once (their
+    longest `context`)."""
+    return max(getattr(options, "context", 0) for task in run_tasks() for options in task.run_options(settings).values())
+
+
+def resolve(run: Run) -> dict:
+    """Fetch the model, and check before any long work that it takes the mixer and that the
+    evaluation texts are long enough."""
+    directory = resolve_model(run.config.model)
+    config = AutoConfig.from_pretrained(directory)
+    check_architecture(config)
+    check_window_fits(config, run.config.mixer_config())
+    needed = evaluation_tokens(run.task_settings())
+    for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
+        tokens = len(tokenize_documents(run.tokenizer, load_documents(paths)))
+        if tokens < needed:
+            raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
+    return {"directory": str(directory)}
+
+
+def analyze(run: Run) -> dict:
+    layout = run.layout
+    scores = analyze_heads(run.original, run.tokenizer, run.train_documents, run.sizes.analysis, run.config.selection,
+                           run.sizes.ablation, run.config.model, list(run.config.data), layout.scores,
+                           layout.ablation_checkpoint, plot=layout.heads_plot)
+    values = sorted(v for row in scores.groups[scores.metric] for v in row)
+    return {"groups": len(values), "metric": scores.metric, "min": values[0], "median": values[len(values) // 2],
+            "max": values[-1], "tokens": scores.sequences * scores.seq_len}
+
+
+def convert_stage(run: Run) -> dict:
+    converted, record = convert_heads(run.original, run.tokenizer, HeadScores.load(run.layout.scores),
+                                      run.config.selection, run.config.mixer_config(), "reuse", run.config.model,
+                                      run.layout.model("converted"))
+    run.hand_on("converted", converted)
+    return record
+
+
+def plan(run: Run) -> dict:
+    if run.config.steps is not None:
+        return {"transfer_steps": run.config.steps[0], "lm_steps": run.config.steps[1]}
+    if run.sizes.fixed_steps is not None:
+        return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
+    student, teacher = run.model("converted"), run.original
+    timed = {}
+    for stage in ("transfer", "lm"):
+        probe = run.train_config(stage, 1)
+        timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
+                                        run.train_sequences, probe)
+    budget, share = run.config.budget_minutes * 60, run.recipe.transfer_share
+    return {
+        "transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3),
+        "transfer_steps": max(1, int(share * budget / timed["transfer"])),
+        "lm_steps": max(1, int((1 - share) * budget / timed["lm"])),
+    }
+
+
+def training_stage(stage: str, source: str, target: str) -> Stage:
+    """The stage that trains the model `source` in place into `target` (resuming from the
+    checkpoint an interrupted attempt left in `target`'s folder)."""
+
+    def train(run: Run) -> dict:
+        out = run.layout.model(target)
+        config = run.train_config(stage, run.layout.record("plan")[f"{stage}_steps"])
+        resume = has_checkpoint(out)
+        if out.exists() and not resume:
+            shutil.rmtree(out)  # an earlier attempt that wrote no checkpoint
+        student = run.model(source)
+        summary = train_stage(student, run.tokenizer, run.original, run.train_sequences, config, out, resume=resume)
+        shutil.rmtree(out / CHECKPOINT, ignore_errors=True)
+        run.hand_on(target, student)
+        return {**{k: v for k, v in summary.items() if k != "config"}, "lr": config.lr}
+
+    return train
+
+
+def evaluate(run: Run) -> dict:
+    """Every evaluation of every task `run` uses, on each of the task's models; eval.json is
+    `{evaluation: {model: result}}` (an evaluation is a task with options, `Task.run_options`).
+    One converted model at a time, each loaded once: the final model is loaded last and
+    held, for the window at equal cache bytes built from its groups and for `bench`."""
+    settings, tasks = run.task_settings(), run_tasks()
+    runs = {task.name: task.run_options(settings) for task in tasks}
+    results: dict[str, dict[str, Any]] = {key: {} for task in tasks for key in runs[task.name]}
+    run.let_go()  # the models held since training: evaluated as saved, from their folders
+    window = None
+    for name in (*MODELS, BASELINE):
+        work = [(task, key, options) for task in tasks for key, options in runs[task.name].items()
+                if name in task.models_for(key)]
+        if name == "original":
+            model = run.original
+        elif name == BASELINE:
+            window = equal_cache_window(run.original, run.model("final"))
+            model = window_baseline(run.original, run.model("final"), window)[0]
+        else:
+            model = run.model(name)
+        for task, key, options in work:
+            results[key][name] = task.measure(model.eval(), run.tokenizer, options, original=run.original)
+        del model
+        release_freed_memory()
+    write_json_atomic(run.layout.evaluation, results)
+    return {"evaluations": list(results), "baseline_window": window}
+
+
+def bench(run: Run) -> dict:
+    # named "final", not by its path: a run folder that is moved still finds its measurements
+    result = against_original({"final": run.model("final")}, run.original, run.sizes.bench,
+                              progress=lambda m: print(f"bench: {m}", flush=True))
+    write_json_atomic(run.layout.bench, result)
+    plot_bench(result, run.layout.bench_plot)
+    return {"contexts": result["contexts"]}
+
+
+def report(run: Run) -> dict:
+    layout = run.layout
+    metrics, rows = metric_table()
+    evaluation = json.loads(layout.evaluation.read_text())
+    results = RunResults(config={**run.config.to_dict(), "schema": RUN_SCHEMA},
+                         records={name: layout.record(name) for name, _, _ in STAGES[:-1]},
+                         evaluation=evaluation, bench=json.loads(layout.bench.read_text()), final="final")
+    values = {"schema": RUN_SCHEMA, **collect(results, metrics)}
+    plot_loss_curves({stage: layout.model(folder) / "train_log.jsonl" for stage, folder in (("transfer", "transfer"),
+                                                                                          ("lm", "final"))},
+                     layout.loss_plot)
+    write_json_atomic(layout.metrics, values)
+    sections = [task.report_section(values, evaluation) for task in run_tasks() if task.report_section]
+    write_text_atomic(layout.report, render_run_report(values, by_key(metrics), rows, run.config.to_dict(),
+                                                       results.bench, sections))
+    return {"metrics": len(values)}
+
+
+def metric_table(tasks: list[Task] | None = None) -> tuple[list[Metric], list[Row]]:
+    """Every metric of a run and the summary table's rows (`metrics.run_metric_table`): the
+    evaluation tasks' (default: `run_tasks()`), the run's own, each stage's time and memory."""
+    tasks = run_tasks() if tasks is None else tasks
+    return run_metric_table([m for t in tasks for m in t.metrics], [row for t in tasks for row in t.rows],
+                            [name for name, _, _ in STAGES if name != "report"])
+
+
+# (name, function, expected seconds of a full run); the seconds weight the progress bar
+STAGES: list[tuple[str, Stage, float]] = [
+    ("resolve", resolve, 5.0),
+    ("analyze", analyze, 60.0),
+    ("convert", convert_stage, 15.0),
+    ("plan", plan, 40.0),
+    ("transfer", training_stage("transfer", "converted", "transfer"), 0.0),
+    ("lm", training_stage("lm", "transfer", "final"), 0.0),
+    ("evaluate", evaluate, 180.0),
+    ("bench", bench, 240.0),
+    ("report", report, 5.0),
+]
