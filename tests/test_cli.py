@@ -148,12 +148,14 @@ def test_convert_and_train_with_another_mixer(workspace, capsys, mixer, flags, e
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--mixer", "rwkv"], "mixer kind: unknown 'rwkv'"),
-    (["--mixer", "window", "--window", 0], "window must be a positive integer, got 0"),
+    (["--mixer", "window", "--window", 0], "window must be 'auto' or a positive integer, got 0"),
     (["--mixer", "window", "--sinks", -2], "sinks must be a non-negative integer, got -2"),
-    (["--window", 8], "--window applies to --mixer window|window+mamba|window+mamba2|window+linear, not --mixer mamba"),
-    (["--mixer", "mamba2", "--sinks", 2], "--sinks applies to --mixer window|window+mamba|window+mamba2|window+linear, not --mixer mamba2"),
+    (["--mixer", "mamba", "--window", 8], "--window applies to --mixer window|window+linear|window+mamba|window+mamba2, "
+     "not --mixer mamba"),
+    (["--mixer", "mamba2", "--sinks", 2], "--sinks applies to --mixer window|window+linear|window+mamba|window+mamba2, "
+     "not --mixer mamba2"),
     (["--mixer", "window", "--state-dtype", "bfloat16"],
-     "--state-dtype applies to --mixer mamba|mamba2|window+mamba|window+mamba2|window+linear, not --mixer window"),
+     "--state-dtype applies to --mixer mamba|mamba2|window+linear|window+mamba|window+mamba2, not --mixer window"),
     (["--state-dtype", "fp8"], "state_dtype: unknown 'fp8'; choose one of float32, bfloat16, float16"),
 ])
 def test_convert_refuses_bad_mixer_flags(workspace, capsys, flags, fragment):

@@ -71,7 +71,7 @@ def test_reuse_refuses_other_heads():
                                             None, None, None, group_size=2))
 
 
-@pytest.mark.parametrize("field, value", [("ssd_state", 0), ("ssd_state", "auto"), ("ssd_chunk", 0), ("ssd_norm", "yes")])
+@pytest.mark.parametrize("field, value", [("ssd_state", 0), ("ssd_state", "full"), ("ssd_chunk", 0), ("ssd_norm", "yes")])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         MixerConfig(kind="mamba2", **{field: value})

@@ -116,7 +116,7 @@ def test_generate_batched_left_padding_and_sampling():
 
 
 SAVED_MIXERS = {
-    "mamba": MixerConfig(d_state=4, expand=2.0),
+    "mamba": MixerConfig(kind="mamba", d_state=4, expand=2.0),
     "mamba2": MixerConfig(kind="mamba2", ssd_state=6, ssd_chunk=8, ssd_norm=False),
     "window": MixerConfig(kind="window", window=7, sinks=1),
     "window+mamba": MixerConfig(kind="window+mamba", window=5, sinks=0, d_state=4),
@@ -262,8 +262,9 @@ def test_spec_json_round_trip():
 def test_reuse_init_copies_values_and_differs_from_random():
     model = tiny_model("llama")
     spec = ReplacementSpec(2, 2, [(0, 1)])
-    reused = convert(model, spec, init="reuse").model.layers[0].self_attn.mixer
-    random_init = convert(model, spec, init="random").model.layers[0].self_attn.mixer
+    mamba = MixerConfig(kind="mamba")
+    reused = convert(model, spec, mamba, init="reuse").model.layers[0].self_attn.mixer
+    random_init = convert(model, spec, mamba, init="random").model.layers[0].self_attn.mixer
     v_rows = model.model.layers[0].self_attn.v_proj.weight[12:24]  # KV head 1, head_dim 12
     assert torch.equal(reused.in_proj.weight[:12], v_rows)
     assert torch.equal(reused.in_proj.weight[12:24], v_rows)  # the group's second query head

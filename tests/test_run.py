@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig
 from tiny_models import save_tiny_model, spec_for, tiny_model
 
 from recurformer.cli import main
@@ -14,6 +15,7 @@ from recurformer.config import ConfigError, MixerConfig
 from recurformer.data import DataError
 from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
+from recurformer.mixers import resolve_for_model
 from recurformer.recipe import recipe_for
 from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
 from recurformer.report import render_run_report
@@ -44,11 +46,11 @@ def texts(tmp_path):
         (dict(data=[]), ConfigError, "no training data"),
         (dict(ood_data=[]), ConfigError, "no out-of-domain evaluation data: pass --ood-data"),
         (dict(ood_data=["gone.txt"]), DataError, "data file not found: gone.txt"),
-        (dict(window=0), ConfigError, "window must be a positive integer, got 0"),
+        (dict(window=0), ConfigError, "window must be 'auto' or a positive integer, got 0"),
         (dict(sinks=-1), ConfigError, "sinks must be a non-negative integer, got -1"),
         (dict(mixer="mamba", window=128), ConfigError, "--window applies to --mixer window"),
         (dict(mixer="window", ssd_state=16), ConfigError, "--ssd-state applies to --mixer mamba2"),
-        (dict(ssd_state=0), ConfigError, "ssd_state must be 'head_dim' or a positive integer, got 0"),
+        (dict(ssd_state=0), ConfigError, "ssd_state must be 'auto', 'head_dim' or a positive integer, got 0"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -125,13 +127,15 @@ def test_the_default_run_trains_a_window_with_a_recurrent_tail_by_the_tail_recip
     train, held_out = texts
     run = Run(RunConfig(data=train, eval_data=held_out), tmp_path / "a")
     assert run.config.mixer == "window+mamba2" and run.recipe.name == "tail-mamba2"
-    mixer = run.config.mixer_config()  # RUN_SHAPES: a longer window and a small tail state
+    assert run.config.mixer_config() == MixerConfig()  # the library's default, its shape decided per model
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    mixer = run.config.for_model(smollm2).mixer_config()  # a longer window and a small tail state
     assert (mixer.kind, mixer.window, mixer.sinks, mixer.ssd_state) == ("window+mamba2", 141, 4, 16)
-    recorded = run.config.to_dict()  # what run.json stores
+    recorded = run.config.for_model(smollm2).to_dict()  # what run.json stores
     assert (recorded["window"], recorded["ssd_state"]) == (141, 16)
-    given = RunConfig(data=train, eval_data=held_out, window=64, ssd_state="head_dim").mixer_config()
-    assert (given.window, given.ssd_state) == (64, "head_dim")  # flags win over the run's shape
-    assert RunConfig(data=train, eval_data=held_out, mixer="mamba2").mixer_config().ssd_state == "head_dim"
+    given = RunConfig(data=train, eval_data=held_out, window=64, ssd_state="head_dim").for_model(smollm2)
+    assert (given.window, given.ssd_state) == (64, "head_dim")  # flags win over the default shape
+    assert RunConfig(data=train, eval_data=held_out, mixer="mamba2").for_model(smollm2).ssd_state == 64
     lm = run.train_config("lm", 1)  # 4 x 1,024 tokens, KL to the original alone, one sequence per micro-batch
     assert (lm.trainable, lm.ce_weight, lm.lr, lm.batch_size, lm.seq_len, lm.grad_accum) == ("tail", 0.0, 2e-4, 4, 1024, 4)
 
@@ -272,9 +276,9 @@ def test_report_states_the_numbers_and_flags_quick_runs():
 
 @pytest.mark.parametrize("config, window, sinks", [
     ({"mixer": "mamba", "window": None, "sinks": None}, None, None),
-    ({"mixer": "window+mamba2", "window": None, "sinks": None}, MixerConfig.window, MixerConfig.sinks),
+    ({"mixer": "window+mamba2", "window": 141, "sinks": None}, 141, MixerConfig.sinks),
     ({"mixer": "window+mamba", "window": 140, "sinks": 2}, 140, 2),
-    ({"mixer": "window"}, MixerConfig.window, MixerConfig.sinks),  # run.json of a run made before --window
+    ({"mixer": "window"}, 64, 4),  # run.json of a run made before --window: the defaults of that time
 ])
 def test_metrics_record_the_window_the_mixer_was_converted_with(config, window, sinks):
     table = by_key(metric_table()[0])
@@ -362,8 +366,9 @@ def test_the_window_and_sinks_reach_the_converted_mixer(texts, tmp_path):
     train, held_out = texts
     model_dir = str(save_tiny_model(tmp_path / "tiny"))
     stages = [stage for stage in STAGES if stage[0] in ("resolve", "analyze", "convert")]
+    default = resolve_for_model(MixerConfig(kind="window+mamba"), tiny_model("llama").config)
     for name, given, expected in (("wide", dict(window=24, sinks=2), (24, 2)),
-                                  ("default", {}, (MixerConfig.window, MixerConfig.sinks))):
+                                  ("default", {}, (default.window, MixerConfig.sinks))):
         config = RunConfig(model=model_dir, data=train, eval_data=held_out, mixer="window+mamba", quick=True, **given)
         with pytest.raises(FileNotFoundError, match="metrics.json"):  # stops after convert: no report
             run_pipeline(config, tmp_path / name, progress=False, stages=stages)

@@ -8,6 +8,7 @@ from tiny_models import tiny_model
 from recurformer.config import ConfigError
 from recurformer.scoring import (
     HeadScores,
+    SelectionConfig,
     RecencyStatistics,
     _stats_attention,
     analyze,
@@ -81,13 +82,21 @@ def make_scores(values):
 def test_selection_is_global_top_beta_over_groups():
     scores = make_scores([[0.9, 0.7, 0.1, 0.2], [0.5, 0.5, 0.95, 0.85], [0.3, 0.3, 0.6, 0.8]])
     # group means: (0,0)=0.8 (0,1)=0.15 (1,0)=0.5 (1,1)=0.9 (2,0)=0.3 (2,1)=0.7
-    assert select_heads(scores, 0.5).groups == [(0, 0), (1, 1), (2, 1)]
+    assert select_heads(scores, 0.5, make_scorer("recency")).groups == [(0, 0), (1, 1), (2, 1)]
     assert select_heads(scores, 0.5, make_scorer("inverse")).groups == [(0, 1), (1, 0), (2, 0)]
-    assert select_heads(scores, 0.0).groups == []
-    assert len(select_heads(scores, 1.0).groups) == 6
+    assert select_heads(scores, 0.0, make_scorer("recency")).groups == []
+    assert len(select_heads(scores, 1.0, make_scorer("recency")).groups) == 6
     random_a = select_heads(scores, 0.5, make_scorer("random", seed=1)).groups
     assert random_a == select_heads(scores, 0.5, make_scorer("random", seed=1)).groups
     assert len(random_a) == 3
+
+
+def test_the_default_selection_is_the_commands_ablation_scorer():
+    """select_heads without a scorer ranks as `analyze`, `convert` and `run` do: by ablation
+    cost, which scores of recency statistics alone do not have."""
+    assert SelectionConfig().scorer == "ablation"
+    with pytest.raises(ConfigError, match="these scores have no ablation costs"):
+        select_heads(make_scores([[0.9, 0.7, 0.1, 0.2], [0.5, 0.5, 0.95, 0.85]]), 0.5)
 
 
 def test_layer_selection_takes_whole_layers_by_mean_group_score():

@@ -53,7 +53,7 @@ def make(kind, **fields):
 def test_reuse_init_makes_the_tail_a_linear_attention_of_the_same_heads():
     """window+mamba2's branch takes C <- W_Q, B <- W_K, x <- W_V (MambaInLlama's mapping),
     its output projection starts as the identity (never zero), and it outputs something."""
-    mixer, (q, k, v) = make("window+mamba2")
+    mixer, (q, k, v) = make("window+mamba2", ssd_state="head_dim")  # N = head_dim: every row copies
     branch = mixer.recurrent
     H, G, P, N = 4, 2, 8, 8
     rows = branch.in_proj.weight

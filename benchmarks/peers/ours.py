@@ -151,18 +151,19 @@ def variant(name: str, original, scores: str, ablation_scores: str) -> Variant:
         raise SystemExit(f"error: unknown row {name!r}; rows are original, window64-bB, window-eqwm2-bB, "
                          "streaming-bB, duo-bB, or --model NAME=DIR")
     kind, beta = found.group(1), float(found.group(2))
-    spec = select_heads(HeadScores.load(scores), beta)
+    spec = select_heads(HeadScores.load(scores), beta, make_scorer("recency"))
     if kind == "window64":
         return Variant(name, f"window 64 + 4 sinks, beta {beta}", scores, "recency", beta, 64)
     if kind == "duo":
         return Variant(name, f"DuoAttention-style: ablation-kept groups full, others window 64 + 4 sinks, "
                        f"beta {beta}", ablation_scores, "ablation", beta, 64)
     if kind == "window-eqwm2":
-        window = equal_cache_window(original, convert(original, spec, MixerConfig(kind="window+mamba2")))
+        library_shape = MixerConfig(kind="window+mamba2", window=64, ssd_state="head_dim")  # the first default
+        window = equal_cache_window(original, convert(original, spec, library_shape))
         return Variant(name, f"window {window} + 4 sinks (the bytes of window+mamba2), beta {beta}", scores,
                        "recency", beta, window)
     target = cache_at(original, spec, MixerConfig(kind="window", window=64, sinks=SINKS))
-    every = select_heads(HeadScores.load(scores), 1.0)
+    every = select_heads(HeadScores.load(scores), 1.0, make_scorer("recency"))
     per_slot = cache_at(original, every, MixerConfig(kind="window", window=64, sinks=SINKS)) / (64 + SINKS)
     window = round(target / per_slot) - SINKS
     return Variant(name, f"StreamingLLM: every group window {window} + 4 sinks (bytes of window64-b{beta})",

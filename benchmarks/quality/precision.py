@@ -37,7 +37,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import recurformer
-from recurformer import HeadScores, HybridCache, MixerConfig, ReplacementSpec, convert, select_heads
+from recurformer import HeadScores, HybridCache, MixerConfig, ReplacementSpec, convert, make_scorer, select_heads
 from recurformer.cache import CACHE_ARGUMENT
 
 from benchmarks.common import HELD_OUT, RESULTS
@@ -107,7 +107,7 @@ def decode_drift(model, ids: torch.Tensor, prompt: int, cache) -> dict:
 
 def decode(model_dir: str, ids: torch.Tensor, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).eval()
-    spec = select_heads(HeadScores.load(args.scores), beta=args.beta)
+    spec = select_heads(HeadScores.load(args.scores), beta=args.beta, scorer=make_scorer("recency"))
     out = {"original": decode_drift(model, ids, args.prompt, DynamicCache())}
     print(f"decode, original: {out['original']}", flush=True)
     extra = {} if args.state_dtype is None else {"state_dtype": args.state_dtype}

@@ -39,7 +39,8 @@ from recurformer.surgery import convert
 from benchmarks.common import HELD_OUT, OUT_OF_DOMAIN, RESULTS, ROOT, TRAIN
 
 TEXTS = {"held-out": HELD_OUT, "out-of-domain": OUT_OF_DOMAIN}
-CALIBRATION = TRAIN[0]  # the ablation costs are measured on the first training corpus
+CALIBRATION = TRAIN[0]
+WINDOW = MixerConfig(kind="window", window=64)  # the training-free window the scorers are compared with  # the ablation costs are measured on the first training corpus
 # measurement -> its settings; variant -> (scorer, the measurement its scores need, or None: the recency scores)
 ABLATIONS = {"ablation-greedy": AblationConfig(),
              "ablation-2048": AblationConfig(ablation_seq_len=2048, ablation_from=1024, ablation_rounds=1)}
@@ -116,7 +117,7 @@ def main() -> None:
     scores = {v: measured[VARIANTS[v][1]] if VARIANTS[v][1] else recency for v in args.scorers}
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.is_file() else {}
-    settings = {"tokens": args.tokens, "context": args.context, "mixer": asdict(MixerConfig(kind="window"))}
+    settings = {"tokens": args.tokens, "context": args.context, "mixer": asdict(WINDOW)}
     results = saved.get("perplexity", {}) if saved.get("settings") == settings else {}
 
     def record(key: str, model) -> None:
@@ -133,7 +134,7 @@ def main() -> None:
             spec = SelectionConfig(beta=beta, scorer=VARIANTS[scorer][0], seed=0).select(scores[scorer])
             chosen[f"{scorer}@{beta}"] = set(spec.groups)
             if f"{scorer}@{beta}" not in results:
-                record(f"{scorer}@{beta}", convert(net, spec, MixerConfig(kind="window")))
+                record(f"{scorer}@{beta}", convert(net, spec, WINDOW))
     summary = {"settings": settings, "perplexity": results}
     rr = recency.group_values()
     summary["ablations"] = {name: {**held.ablation, "spearman_recency_vs_ablation": spearman(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recurformer import HeadScores, MixerConfig, convert, select_heads
+from recurformer import HeadScores, MixerConfig, convert, make_scorer, select_heads
 from recurformer.data import load_documents, token_sequences, tokenize_documents
 from recurformer.mixers import Mamba2Mixer, window_recurrent
 from recurformer.ops.ssd import ssd
@@ -138,7 +138,7 @@ def main() -> None:
         ssd_state = args.ssd_state if args.ssd_state == "head_dim" else int(args.ssd_state)
         feature_dim = args.feature_dim if args.feature_dim == "head_dim" else int(args.feature_dim)
         config = MixerConfig(kind=args.kind, window=args.window, sinks=args.sinks, ssd_state=ssd_state, feature_dim=feature_dim)
-        spec = select_heads(HeadScores.load(SCORES), beta=args.beta)
+        spec = select_heads(HeadScores.load(SCORES), beta=args.beta, scorer=make_scorer("recency"))
         model = convert(teacher, spec, config, init="reuse")
         record["groups"] = len(spec.groups)
         out_dir = Path(args.out).parent / f"train-{os.getpid()}"

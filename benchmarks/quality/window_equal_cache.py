@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from recurformer import HeadScores, MixerConfig, convert, select_heads
+from recurformer import HeadScores, MixerConfig, convert, make_scorer, select_heads
 from recurformer.equal_cache import equal_cache_window, mixer_state_bytes
 from recurformer.evaluate import lookup_task, make_options
 from recurformer.files import write_json_atomic
@@ -24,6 +24,9 @@ from recurformer.loading import load_model
 
 from benchmarks.common import RESULTS, TEXTS
 
+
+# the shape this study measured: the library's first default (window 64 and, for window+mamba2, a full tail)
+LIBRARY_SHAPE = {"window": 64, "ssd_state": "head_dim"}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,15 +37,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model("smollm2-135m")
-    spec = select_heads(HeadScores.load(args.scores), beta=args.beta)
-    rival = convert(model, spec, MixerConfig(kind=args.kind))
+    spec = select_heads(HeadScores.load(args.scores), beta=args.beta, scorer=make_scorer("recency"))
+    rival = convert(model, spec, MixerConfig(kind=args.kind, **LIBRARY_SHAPE))
     target = mixer_state_bytes(rival)
     window = equal_cache_window(model, rival)
     del rival
     task, _ = lookup_task("ppl")
     result = {"scores": args.scores, "beta": args.beta, "kind": args.kind, "kind_state_bytes": target,
               "equal_window": window, "ppl": {}}
-    models = {"original": model, "window64": convert(model, spec, MixerConfig(kind="window")),
+    models = {"original": model, "window64": convert(model, spec, MixerConfig(kind="window", window=64)),
               f"window{window}": convert(model, spec, MixerConfig(kind="window", window=window))}
     for name, candidate in models.items():
         for label, path in TEXTS.items():

@@ -14,7 +14,7 @@ from benchmarks.retrieval.design import EVAL_SEED, Study, Unit
 
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.report import plot_head_heatmap, save_figure
-from recurformer.scoring import HeadScores, select_heads, uniform_recency_ratio
+from recurformer.scoring import HeadScores, make_scorer, select_heads, uniform_recency_ratio
 
 
 def collect(study: Study, units: list[Unit]) -> dict:
@@ -334,7 +334,7 @@ def write_report(study: Study, units: list[Unit], out: Path) -> dict:
         scores_path = home / "base" / "scores.json"
         if scores_path.exists():
             scores = HeadScores.load(scores_path)
-            plot_head_heatmap(scores, out / f"heads-{task.name}.png", select_heads(scores, study.headline_beta))
+            plot_head_heatmap(scores, out / f"heads-{task.name}.png", select_heads(scores, study.headline_beta, make_scorer("recency")))
             figures.append(f"heads-{task.name}.png")
     complete = all(u.path.exists() for u in units)
     reading = (out / "reading.md").read_text() if (out / "reading.md").is_file() else None

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from recurformer import HeadScores, MixerConfig, convert, select_heads
+from recurformer import HeadScores, MixerConfig, convert, make_scorer, select_heads
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
 from recurformer.train.lm import LMObjective
@@ -67,7 +67,7 @@ def main() -> None:
     autocast = resolve_precision("auto") == "bf16"
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 49152, (args.batch_size, args.seq_len), generator=generator) for _ in range(args.steps + 1)]
-    spec = select_heads(HeadScores.load(SCORES), beta=args.beta)
+    spec = select_heads(HeadScores.load(SCORES), beta=args.beta, scorer=make_scorer("recency"))
     rates = {row: [] for row in ROWS}
     for round_ in range(args.rounds):
         for kind, trainable, recompute in ROWS:

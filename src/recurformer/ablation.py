@@ -55,7 +55,6 @@ from .files import write_json_atomic
 from .surgery import model_fingerprint
 
 ABLATION_ATTENTION = "recurformer_group_ablation"
-_WINDOW = MixerConfig(kind="window")
 Group = tuple[int, int]  # (layer, kv_head)
 
 
@@ -67,8 +66,9 @@ class AblationConfig:
     ablation_sequences: int = option(2, "ablation scorers: calibration sequences")
     ablation_seq_len: int = option(2048, "ablation scorers: tokens per calibration sequence")
     ablation_from: int = option(1024, "ablation scorers: score the NLL of tokens at positions >= this")
-    ablation_window: int = option(_WINDOW.window, "ablation scorers: the window (tokens) a group is cut to")
-    ablation_sinks: int = option(_WINDOW.sinks, "ablation scorers: first tokens a windowed query still sees")
+    # [ours] a group's cost of being cut to 64 tokens ranks the groups for any mixer (docs/analysis.md)
+    ablation_window: int = option(64, "ablation scorers: the window (tokens) a group is cut to")
+    ablation_sinks: int = option(MixerConfig.sinks, "ablation scorers: first tokens a windowed query still sees")
     ablation_rounds: int = option(4, "ablation-greedy scorer: rounds; round r windows the cheapest groups up to "
                                   "beta = r / rounds and re-scores the rest with them windowed")
 

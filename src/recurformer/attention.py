@@ -18,12 +18,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from .config import ConfigError, MixerConfig
-from .mixers import HeadShape, build_mixer
+from .mixers import HeadShape, build_mixer, resolve_for_model
 
 
 def check_window_fits(config, mixer_config: MixerConfig) -> None:
-    """A window kind's window must fit in the positions of the model `config` describes."""
+    """A window kind's window (`auto`: decided for this model) must fit in the positions of
+    the model `config` describes."""
     limit = getattr(config, "max_position_embeddings", None)
+    mixer_config = resolve_for_model(mixer_config, config)
     if mixer_config.has_window and limit is not None and mixer_config.window > limit:
         raise ConfigError(f"window {mixer_config.window} is larger than the model's position limit ({limit} positions)")
 

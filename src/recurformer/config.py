@@ -41,13 +41,26 @@ def option(default: Any = None, help: str = "", factory: Callable[[], Any] | Non
     return field(default=default, metadata=metadata)
 
 
+AUTO = "auto"  # a shape field the mixer's geometry decides (mixers/shape.py)
+
+
 def parse_ssd_state(text: str) -> int | str:
-    """`--ssd-state`: a positive integer or `head_dim`."""
-    if text == "head_dim":
+    """`--ssd-state`: a positive integer, `head_dim` or `auto`."""
+    if text in ("head_dim", AUTO):
         return text
     if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"ssd_state must be 'head_dim' or a positive integer, got {text!r}")
+        raise ConfigError(f"ssd_state must be 'auto', 'head_dim' or a positive integer, got {text!r}")
     return int(text)
+
+
+def parse_window(text: str) -> int | str:
+    """`--window`: `auto` or an integer (`MixerConfig` checks that it is positive)."""
+    if text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"window must be 'auto' or a positive integer, got {text!r}") from None
 
 
 def kinds_reading(name: str) -> list[str]:
@@ -87,7 +100,8 @@ class MixerConfig:
     mixer's keys and values) are not accumulators: they keep the activations' dtype.
     """
 
-    kind: str = option("mamba", "what replaces the heads (docs/mixers.md)", flag="--mixer")
+    # [ours] the default is the best-measured kind, not the paper's `mamba` (docs/mixers.md)
+    kind: str = option("window+mamba2", "what replaces the heads (docs/mixers.md; the paper's: mamba)", flag="--mixer")
     # "mamba" and "mamba2" below include the recurrent branch of window+mamba and window+mamba2.
     d_state: int = 16  # mamba: state size per channel
     d_conv: int = 4  # mamba, mamba2: causal conv width
@@ -99,11 +113,13 @@ class MixerConfig:
     conv_bias: bool = True  # mamba, mamba2
     proj_bias: bool = False  # mamba, mamba2: biases on in_proj and out_proj
     scan_backend: str = "auto"  # mamba, mamba2
-    ssd_state: int | str = option("head_dim", "mamba2 kinds: state size N per head (an integer, or head_dim)",
-                                  parse=parse_ssd_state, metavar="N")
+    ssd_state: int | str = option(AUTO, "mamba2 kinds: state size N per head (an integer, head_dim, or auto: "
+                                  "head_dim for mamba2, head_dim / 4 for window+mamba2)", parse=parse_ssd_state,
+                                  metavar="N")
     ssd_chunk: int = 64  # mamba2: chunk length of the chunked scan
     ssd_norm: bool = True  # mamba2: gated RMSNorm before out_proj (as Mamba-2), else a plain SiLU gate
-    window: int = option(64, "window mixers: tokens each query attends back, itself included")
+    window: int | str = option(AUTO, "window mixers: tokens each query attends back, itself included (auto: the "
+                               "default cache budget, docs/mixers.md)", parse=parse_window, metavar="W")
     sinks: int = option(4, "window mixers: first tokens every query also attends (attention sinks)")
     feature_dim: int | str = "head_dim"  # window+linear: each half of the feature map (F = 2 feature_dim)
     state_dtype: str = option("float32", "recurrent mixers: dtype of the accumulated state (docs/precision.md)")
@@ -121,12 +137,13 @@ class MixerConfig:
         require(self.dt_init_floor > 0, f"dt_init_floor must be > 0, got {self.dt_init_floor!r}")
         require(self.scan_backend in SCAN_BACKENDS, f"scan_backend: unknown {self.scan_backend!r}; choose one of {', '.join(SCAN_BACKENDS)}")
         require(
-            self.ssd_state == "head_dim" or _is_int(self.ssd_state, 1),
-            f"ssd_state must be 'head_dim' or a positive integer, got {self.ssd_state!r}",
+            self.ssd_state in ("head_dim", AUTO) or _is_int(self.ssd_state, 1),
+            f"ssd_state must be 'auto', 'head_dim' or a positive integer, got {self.ssd_state!r}",
         )
         require(_is_int(self.ssd_chunk, 1), f"ssd_chunk must be a positive integer, got {self.ssd_chunk!r}")
         require(isinstance(self.ssd_norm, bool), f"ssd_norm must be true or false, got {self.ssd_norm!r}")
-        require(_is_int(self.window, 1), f"window must be a positive integer, got {self.window!r}")
+        require(self.window == AUTO or _is_int(self.window, 1),
+                f"window must be 'auto' or a positive integer, got {self.window!r}")
         require(_is_int(self.sinks, 0), f"sinks must be a non-negative integer, got {self.sinks!r}")
         require(
             self.feature_dim == "head_dim" or _is_int(self.feature_dim, 1),
@@ -163,8 +180,16 @@ class MixerConfig:
         return math.ceil(d_in / 16) if self.dt_rank == "auto" else int(self.dt_rank)
 
     def resolved_ssd_state(self, head_dim: int) -> int:
-        """The mamba2 state size N per head."""
+        """The mamba2 state size N per head; [ours] `auto`: head_dim for `mamba2`, a quarter of
+        it for a window's tail (`window+mamba2`: the window holds what is recent, docs/mixers.md)."""
+        if self.ssd_state == AUTO:
+            return max(1, head_dim // 4) if self.has_window else head_dim
         return head_dim if self.ssd_state == "head_dim" else int(self.ssd_state)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether no field the kind reads is left `auto` for the geometry to decide."""
+        return not any(self.reads(name) and getattr(self, name) == AUTO for name in ("window", "ssd_state"))
 
     def resolved_feature_dim(self, head_dim: int) -> int:
         """The window+linear feature map's half width."""

@@ -29,7 +29,7 @@ def _window(converted, window: int) -> MixerConfig:
     """A `window` mixer of `window` tokens with the converted model's sinks (the default
     sinks if it has no window)."""
     mixer = MixerConfig.from_dict(converted.config.mixer)
-    sinks = mixer.sinks if mixer.has_window else MixerConfig(kind="window").sinks
+    sinks = mixer.sinks if mixer.has_window else MixerConfig.sinks
     return MixerConfig(kind="window", window=window, sinks=sinks)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import MixerConfig, kinds_reading
+from .config import kinds_reading
 
 MIB = 2**20
 
@@ -133,14 +133,19 @@ def _config(key: str, label: str) -> Metric:
     return Metric(key, label, lambda r: r.config[key])
 
 
+# The shape of a run whose run.json holds none: the library's defaults when the flags did not
+# exist yet (`run` now records the shape it decided for the model).
+LEGACY_SHAPE = {"window": 64, "sinks": 4, "ssd_state": "head_dim"}
+
+
 def _mixer_field(name: str) -> Callable[[RunResults], Any]:
-    """The converted mixer's field `name` as run: the run's value (run.json), the library's
-    default for runs made before the flag existed, None for a kind that does not read it."""
+    """The converted mixer's field `name` as run: the run's value (run.json), the default of
+    its time where it records none, None for a kind that does not read it."""
     def value(r: RunResults) -> Any:
         if r.config["mixer"] not in kinds_reading(name):
             return None
         given = r.config.get(name)
-        return getattr(MixerConfig, name) if given is None else given
+        return LEGACY_SHAPE[name] if given is None else given
 
     return value
 

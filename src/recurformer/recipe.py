@@ -119,10 +119,3 @@ def recipe_for(kind: str) -> Recipe:
     """The recipe `run` trains a conversion to mixer `kind` with (the kind's `Mixer.recipe`)."""
     return RECIPES[MIXERS[kind].recipe]
 
-
-# [ours] The shape `run` converts to, where it differs from the library's defaults
-# (`MixerConfig`): the default window+mamba2 spends its state bytes on a longer window and a
-# small tail (16 state values per head instead of 64); at the bytes of a 169-token window it
-# beats that window, which the window of 64 with the full tail did not (docs/mixers.md,
-# "Window or state").
-RUN_SHAPES: dict[str, dict] = {"window+mamba2": {"window": 141, "ssd_state": 16}}

@@ -101,7 +101,10 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
     tasks' own `sections` (title, lines), cache and speed, each stage's time and memory,
     and the configuration."""
     m = metrics
-    window = "" if m.get("window") is None else f" (window {m['window']} + {m['sinks']} sinks)"
+    shape = [] if m.get("window") is None else [f"window {m['window']} + {m['sinks']} sinks"]
+    if m.get("ssd_state") is not None:
+        shape.append(f"{m['ssd_state']} state values per head")
+    window = f" ({', '.join(shape)})" if shape else ""
     lines = [f"# RecurFormer run: {m['model']}, beta {m['beta']}, mixer `{m['mixer']}`{window}", ""]
     if m["quick"]:
         lines += ["> **Quick run (`--quick`): every size is tiny. These numbers check that the pipeline works; "

@@ -423,11 +423,12 @@ class SelectionConfig:
 
 
 def select_heads(scores: HeadScores, beta: float, scorer: Scorer | None = None) -> ReplacementSpec:
-    """The global top-`beta` fraction of KV groups under `scorer` (default: recency).
+    """The global top-`beta` fraction of KV groups under `scorer` (default: `SelectionConfig`'s,
+    `ablation`, which needs scores made with it; the paper's is `make_scorer("recency")`).
 
     Ties are broken by (layer, kv_head), so the choice is deterministic.
     """
-    scorer = scorer or RecencyScorer()
+    scorer = scorer or make_scorer(SelectionConfig.scorer)
     ranked = scorer.score(scores)
     count = groups_to_replace(len(ranked), beta)
     chosen = sorted(ranked, key=lambda g: (-ranked[g], g))[:count]

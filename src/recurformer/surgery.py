@@ -17,7 +17,7 @@ from transformers.initialization import no_init_weights
 
 from .config import ConfigError, MixerConfig, ReplacementSpec
 from .errors import RecurformerError
-from .mixers import Mixer, ReplacedHeads
+from .mixers import Mixer, ReplacedHeads, resolve_for_model
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM, check_architecture
 
 INITS = ("reuse", "random")
@@ -85,7 +85,8 @@ def convert(
     Args:
         model: a `LlamaForCausalLM`, `Qwen2ForCausalLM` or `MistralForCausalLM`.
         spec: the `(layer, kv_head)` groups to replace.
-        mixer_config: the mixer (default: Mamba with default sizes).
+        mixer_config: the mixer (default: `MixerConfig()`, window+mamba2 in the default shape;
+            `auto` fields are decided for the model's heads, `mixers/shape.py`).
         init: `reuse` derives what it can of each mixer from the replaced heads' weights
             (see docs/method.md); `random` keeps the mixer's own initialization (control).
         seed: seeds the mixers' random initialization.
@@ -100,7 +101,8 @@ def convert(
             f"replacement spec is for {spec.num_layers} layers x {spec.num_kv_heads} KV heads, but the model "
             f"has {text.num_hidden_layers} layers x {text.num_key_value_heads} KV heads"
         )
-    mixer_config = mixer_config or MixerConfig()
+    # the shape decided once, for the model's groups, so the saved config records it whole
+    mixer_config = resolve_for_model(mixer_config or MixerConfig(), text)
     config = RecurFormerConfig(
         text_config=copy.deepcopy(text), replacement=spec.to_dict(), mixer=mixer_config.to_dict(),
         source_model=source_model, source_fingerprint=model_fingerprint(model),

@@ -20,11 +20,13 @@ from .mamba2 import Mamba2Mixer  # noqa: E402
 from .window import WindowMixer  # noqa: E402
 from .window_linear import WindowLinearMixer  # noqa: E402
 from .window_recurrent import WindowRecurrentMixer  # noqa: E402
+from .shape import resolve_for_model, resolve_shape  # noqa: E402
 
 
 def build_mixer(d_in: int, heads: HeadShape, config: MixerConfig) -> Mixer:
-    """The mixer of `config.kind` standing in for `heads`, reading `d_in` channels."""
-    return MIXERS[config.kind](d_in, heads, config)
+    """The mixer of `config.kind` standing in for `heads`, reading `d_in` channels (`auto`
+    shape fields decided for `heads`, `shape.py`)."""
+    return MIXERS[config.kind](d_in, heads, resolve_shape(config, heads))
 
 
 __all__ = [
@@ -41,5 +43,7 @@ __all__ = [
     "WindowRecurrentMixer",
     "build_mixer",
     "register_mixer",
+    "resolve_for_model",
+    "resolve_shape",
     "state_dtype",
 ]

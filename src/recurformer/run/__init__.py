@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
+from ..hub import resolve_model
 from ..memory import PeakMemory
 from .config import RunConfig, Sizes
 from .layout import RUN_SCHEMA, RunLayout
@@ -36,7 +38,9 @@ def stage_weights(config: RunConfig) -> dict[str, float]:
 
 def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progress: bool = True,
                  stages: list[tuple[str, Stage, float]] | None = None) -> dict:
-    """Run (or continue) every stage of `config` in `out`; returns the metrics."""
+    """Run (or continue) every stage of `config` in `out`; returns the metrics. The model is
+    resolved (fetched once if it is a known name) first: the mixer's shape depends on it."""
+    config = config.for_model(AutoConfig.from_pretrained(resolve_model(config.model)))
     run = Run(config, out)
     run.claim(force)
     plan = stages or STAGES

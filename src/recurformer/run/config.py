@@ -10,10 +10,11 @@ from typing import Any
 
 from ..ablation import AblationConfig
 from ..bench import BenchConfig
-from ..config import ConfigError, MixerConfig, option, parse_ssd_state, require
+from ..config import ConfigError, MixerConfig, option, parse_ssd_state, parse_window, require
 from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, DataError, shared_corpora
 from ..hub import locate
-from ..recipe import RUN_SHAPES, Recipe, recipe_for
+from ..mixers import resolve_for_model
+from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
 
 
@@ -46,16 +47,14 @@ class RunConfig:
                                  "--data, evaluation only)", metavar="FILE",
                                  factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA))
     beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
-    # [ours] not the paper's `mamba`: at equal training a window with a recurrent tail, trained
-    # by the tail recipe, ends closest to the original (docs/mixers.md)
-    mixer: str = option("window+mamba2", "mixer kind (docs/mixers.md)")
-    window: int | None = option(None, "window mixers: tokens each query attends back (default: "
-                                f"{RUN_SHAPES['window+mamba2']['window']} for window+mamba2, else {MixerConfig.window})")
+    mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md; the paper's: mamba)")
+    window: int | str | None = option(None, "window mixers: tokens each query attends back (default: auto, the "
+                                      "default cache budget for the model's heads: docs/mixers.md)",
+                                      parse=parse_window, metavar="W")
     sinks: int | None = option(None, f"window mixers: first tokens every query also attends (default "
                                f"{MixerConfig.sinks})")
-    ssd_state: int | str | None = option(None, "mamba2 kinds: state size per head (default: "
-                                         f"{RUN_SHAPES['window+mamba2']['ssd_state']} for window+mamba2, "
-                                         f"{MixerConfig.ssd_state} for mamba2)", parse=parse_ssd_state, metavar="N")
+    ssd_state: int | str | None = option(None, "mamba2 kinds: state size per head (default: auto, head_dim / 4 for "
+                                         "window+mamba2, head_dim for mamba2)", parse=parse_ssd_state, metavar="N")
     scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
     budget_minutes: float = option(25.0, "training time of both stages together")
     steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
@@ -78,9 +77,6 @@ class RunConfig:
             if overlap:
                 raise ConfigError(f"{flag} must be held out, but {min(overlap)} is also in --data")
         SelectionConfig(self.beta, self.scorer, self.seed)
-        for name, value in RUN_SHAPES.get(self.mixer, {}).items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
         self.mixer_config()
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
         if self.steps is not None:
@@ -97,8 +93,15 @@ class RunConfig:
 
     def mixer_config(self) -> MixerConfig:
         """The mixer of the conversion: `mixer` with `window`, `sinks` and `ssd_state` where
-        given or in `RUN_SHAPES` (an error for a kind that does not read them)."""
+        given (an error for a kind that does not read them), else the library's defaults."""
         return MixerConfig.from_flags(self.mixer, window=self.window, sinks=self.sinks, ssd_state=self.ssd_state)
+
+    def for_model(self, text_config) -> "RunConfig":
+        """This configuration with the mixer's `auto` shape (window, tail state) decided for the
+        model `text_config` describes (`mixers/shape.py`), as `run.json` records it and the
+        report states it."""
+        mixer = resolve_for_model(self.mixer_config(), text_config)
+        return replace(self, **{name: getattr(mixer, name) for name in ("window", "ssd_state") if mixer.reads(name)})
 
     @property
     def recipe(self) -> Recipe:
