@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "mixers": 2,
     "attention": 3, "cache": 3,
     "modeling": 4, "surgery": 4,
-    "loading": 5, "metrics": 5, "ablation": 5, "equal_cache": 5, "scoring": 5, "train": 5, "evaluate": 5, "bench": 5,
+    "loading": 5, "model_card": 5, "metrics": 5, "ablation": 5, "equal_cache": 5, "scoring": 5, "train": 5, "evaluate": 5, "bench": 5,
     "report": 6,
     "pipeline": 7,
     "commands": 8,

@@ -61,9 +61,10 @@ from .data import (
 from .equal_cache import equal_cache_window, window_baseline
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
-from .hub import locate, resolve_model
-from .loading import load_converted, load_model, portable_name, reusing_original, save_model
+from .hub import resolve_model
+from .loading import check_convertible, load_converted, load_model, portable_name, reusing_original, save_model
 from .memory import PeakMemory, release_freed_memory
+from .model_card import write_model_card
 from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
@@ -102,7 +103,8 @@ class RunConfig:
     `quick` replaces every size by a tiny one (a smoke test: its numbers mean nothing).
     """
 
-    model: str = option("smollm2-135m", "a local Hugging Face model directory or a known name")
+    model: str = option("smollm2-135m", "a local Hugging Face model directory, a known name, or a Hugging Face id "
+                        "org/name (docs/models.md)")
     data: list[str] = option(help=f"training and head-scoring text (the shared corpora, in ${DATA_ENV} or "
                              "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA))
     eval_data: list[str] = option(help="held-out text for perplexity and the long-range tasks", metavar="FILE",
@@ -133,7 +135,7 @@ class RunConfig:
     seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
 
     def __post_init__(self) -> None:
-        locate(self.model)
+        check_convertible(self.model)
         require(bool(self.data), "no training data: pass --data FILE...")
         require(bool(self.eval_data), "no evaluation data: pass --eval-data FILE...")
         require(bool(self.ood_data), "no out-of-domain evaluation data: pass --ood-data FILE...")
@@ -543,6 +545,7 @@ def _report(run: Run) -> dict:
     write_json_atomic(run.layout.metrics, values)
     write_text_atomic(run.layout.report, render_run_report(values, by_key(metrics), rows, run.config.to_dict(), results.bench,
                                                             results.evaluation))
+    write_model_card(run.layout.model("final"), results=values)
     return {"metrics": len(values)}
 
 
