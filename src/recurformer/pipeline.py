@@ -64,9 +64,9 @@ from .files import write_json_atomic, write_text_atomic
 from .hub import resolve_model
 from .loading import check_convertible, load_converted, load_model, portable_name, reusing_original, save_model
 from .memory import PeakMemory, release_freed_memory
-from .model_card import write_model_card
 from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
+from .model_card import write_model_card
 from .modeling import check_architecture
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text

@@ -69,9 +69,11 @@ class HubModel:
 
 
 def hub_cache() -> Path:
-    """The hub cache huggingface_hub and transformers use, from the environment now."""
-    if os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
-        return Path(os.environ.get("HF_HUB_CACHE") or os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    """The hub cache huggingface_hub and transformers use, from the environment now
+    (`HUGGINGFACE_HUB_CACHE`: huggingface_hub's older name of `HF_HUB_CACHE`)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return Path(home).expanduser() / "hub"
 
@@ -139,7 +141,10 @@ def missing_files(snapshot: Path) -> list[str]:
     missing = [] if (snapshot / "config.json").is_file() else ["config.json"]
     index = snapshot / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not an index
+            return [*missing, "a readable model.safetensors.index.json"]
         missing += [shard for shard in shards if not (snapshot / shard).is_file()]
     elif not (snapshot / "model.safetensors").is_file():
         missing.append("model.safetensors")
