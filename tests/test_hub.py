@@ -1,4 +1,5 @@
-"""Model resolution: paths, names, checksums and the atomic fetch (no network unless marked)."""
+"""Model resolution: paths, names, hub ids in a Hugging Face cache, checksums and the
+atomic fetch (no network unless marked: conftest.py sets HF_HUB_OFFLINE=1)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_model, tiny_tokenizer
-from transformers import AutoTokenizer
+from hub_cache import cache_folder, check_layout
+from huggingface_hub.errors import LocalEntryNotFoundError
+from tiny_models import save_tiny_model, spec_for, tiny_model, tiny_tokenizer
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from recurformer import hub
-from recurformer.hub import KnownModel, ModelResolutionError, gguf, pypi, resolve_model, store, verify_sha256
+from recurformer.cli import main
+from recurformer.hub import KnownModel, ModelResolutionError, gguf, huggingface, locate, pypi, resolve_model, store
+from recurformer.hub import verify_sha256
+from recurformer.loading import load_converted, load_model, load_teacher, portable_name, save_model
+from recurformer.surgery import convert, model_fingerprint
 
 FAKE_PAYLOAD = b"not really a gguf file\n" * 100
 
@@ -223,3 +230,225 @@ def test_without_progress_loading_prints_nothing(capsys):
         for _ in tqdm(range(3), desc="a bare bar, as transformers' GGUF reader makes"):
             pass
     assert capsys.readouterr().err == ""
+
+
+# --- Hugging Face hub ids, resolved from a hub cache laid out in a temporary directory ---
+
+REPO = "tiny-org/tiny-llama"
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty hub cache under $HF_HOME, offline; models go in with `cache_folder`."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "hf-home" / "hub"
+
+
+@pytest.fixture
+def tiny_repo(tmp_path, hf_cache):
+    """REPO in the cache: `main` at a tiny Llama (seed 0), `dev` at another (seed 1)."""
+    main_files, dev_files = save_tiny_model(tmp_path / "main-files"), save_tiny_model(tmp_path / "dev-files", seed=1)
+    (main_files / "README.md").write_text("---\nlicense: mit\ntags:\n- tiny\n---\n# a tiny model\n")
+    return {"main": cache_folder(hf_cache, REPO, main_files), "dev": cache_folder(hf_cache, REPO, dev_files, "dev")}
+
+
+def one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_cached_hub_id_resolves_offline_to_its_snapshot(tmp_path, hf_cache, tiny_repo):
+    assert check_layout(hf_cache) == {REPO: {tiny_repo["main"].name, tiny_repo["dev"].name}}  # huggingface_hub reads it
+    path = resolve_model(REPO, cache_dir=tmp_path / "recurformer-cache", progress=False)
+    assert path == tiny_repo["main"]
+    assert not (tmp_path / "recurformer-cache").exists()  # the hub's cache, not ours
+    model, tokenizer, _ = load_model(REPO, progress=False)
+    assert model_fingerprint(model) == model_fingerprint(tiny_model("llama", seed=0))
+    assert len(tokenizer("a b c")["input_ids"]) > 0
+
+
+def test_the_hub_cache_follows_hf_hub_cache_over_hf_home(tmp_path, monkeypatch, tiny_repo):
+    other = tmp_path / "elsewhere"
+    snapshot = cache_folder(other, REPO, tiny_repo["dev"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(other))
+    assert resolve_model(REPO) == snapshot
+
+
+def test_a_revision_picks_a_branch_or_a_commit(tiny_repo):
+    dev, main = tiny_repo["dev"], tiny_repo["main"]
+    assert resolve_model(f"{REPO}@dev") == dev
+    assert resolve_model(REPO, revision="dev") == dev
+    assert resolve_model(f"{REPO}@{main.name}") == main
+    assert load_model(f"{REPO}@dev", progress=False)[2] == dev
+
+
+def test_an_unknown_revision_offline_is_one_line_naming_the_cached_ones(tiny_repo):
+    with pytest.raises(ModelResolutionError) as err:
+        resolve_model(f"{REPO}@v9")
+    message = one_line(err)
+    assert "revision 'v9' is not in the Hugging Face cache (cached: dev, main)" in message
+    assert f"hf download {REPO} --revision v9" in message
+
+
+def test_a_hub_id_not_in_the_cache_offline_says_how_to_fetch_it(hf_cache):
+    with pytest.raises(ModelResolutionError) as err:
+        locate("Qwen/Qwen2.5-0.5B-Instruct")  # refused before any work, not only when resolving
+    message = one_line(err)
+    assert message.startswith("Qwen/Qwen2.5-0.5B-Instruct: no such model directory, and not in the Hugging Face cache")
+    assert str(hf_cache) in message and "HF_HUB_OFFLINE" in message
+    assert "`hf download Qwen/Qwen2.5-0.5B-Instruct`" in message and "pass a local model folder" in message
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("a/b/c", "a Hugging Face id is org/name"),
+    ("org/my model", "Repo id must use alphanumeric chars"),
+    ("org/name@", "empty revision after '@'"),
+    ("org/na--me", "Cannot have -- or .."),
+    ("org/name@../../etc", "bad revision"),
+])
+def test_a_malformed_hub_id_is_one_line_naming_it(hf_cache, text, problem):
+    with pytest.raises(ModelResolutionError) as err:
+        resolve_model(text)
+    message = one_line(err)
+    assert message.startswith(f"{text}: no such model directory, and not a Hugging Face model id") and problem in message
+
+
+def test_a_local_folder_wins_over_a_hub_id_of_the_same_name(tmp_path, monkeypatch, tiny_repo):
+    monkeypatch.chdir(tmp_path)
+    save_tiny_model(tmp_path / REPO, seed=2)
+    assert resolve_model(REPO) == Path(REPO)
+    assert hub.source_name(REPO) == str((tmp_path / REPO).resolve())
+
+
+def test_a_snapshot_without_weights_offline_is_one_line(tmp_path, hf_cache):
+    cache_folder(hf_cache, REPO, save_tiny_model(tmp_path / "files"), skip=("model.safetensors",))
+    with pytest.raises(ModelResolutionError) as err:
+        resolve_model(REPO)
+    assert "its snapshot in the Hugging Face cache lacks model.safetensors" in one_line(err)
+
+
+def test_a_hub_model_of_a_type_transformers_does_not_know_is_one_line(tmp_path, hf_cache):
+    files = save_tiny_model(tmp_path / "files")
+    config = json.loads((files / "config.json").read_text())
+    (files / "config.json").write_text(json.dumps({**config, "model_type": "not-a-model"}))
+    cache_folder(hf_cache, REPO, files)
+    with pytest.raises(ModelResolutionError) as err:
+        resolve_model(REPO)
+    assert f"{REPO}: model type 'not-a-model' is not one transformers knows" in one_line(err)
+
+
+def test_the_registry_keeps_its_names_and_its_alias_goes_to_the_hub_only_when_cached(tmp_path, hf_cache):
+    alias = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert isinstance(locate(alias), KnownModel)  # not cached: the registry's PyPI route
+    snapshot = cache_folder(hf_cache, alias, save_tiny_model(tmp_path / "files"))
+    assert locate(alias) == hub.HubModel(alias)
+    assert resolve_model(alias) == snapshot
+    assert isinstance(locate("smollm2-135m"), KnownModel)  # the registry's own name stays the registry's
+    assert isinstance(locate(alias.lower()), KnownModel)  # the cache is case-sensitive, as the hub's ids are not
+    assert locate(f"{alias}@main") == hub.HubModel(alias, "main")
+    with pytest.raises(ModelResolutionError, match="not in the Hugging Face cache"):
+        locate(f"{alias.lower()}@main")  # a revision always goes to the hub: the registry has none
+
+
+def test_a_converted_model_records_the_commit_and_finds_its_teacher_after_main_moved(tmp_path, hf_cache, tiny_repo):
+    original, tokenizer, _ = load_model(REPO, progress=False)
+    converted = convert(original, spec_for(original, 0.5), source_model=portable_name(REPO))
+    assert converted.config.source_model == f"{REPO}@{tiny_repo['main'].name}"
+    save_model(converted, tokenizer, tmp_path / "converted")
+    cache_folder(hf_cache, REPO, tiny_repo["dev"])  # main moves on to other weights
+    assert resolve_model(REPO) != tiny_repo["main"]
+    student, _ = load_converted(tmp_path / "converted")
+    assert model_fingerprint(load_teacher(student)) == model_fingerprint(original)
+
+
+def test_source_names_are_canonical():
+    assert hub.source_name("SmolLM2-135M-Instruct") == "smollm2-135m"
+
+
+def test_with_revision_applies_to_hub_ids_only(tmp_path):
+    assert hub.with_revision(REPO, "dev") == f"{REPO}@dev" and hub.with_revision(REPO, None) == REPO
+    for model, fragment in ((tmp_path, "not to"), ("smollm2-135m", "not to smollm2-135m"),
+                            (f"{REPO}@dev", "names a revision already"), (None, "no model id to apply it to")):
+        with pytest.raises(ModelResolutionError, match=fragment):
+            hub.with_revision(model, "v1")
+
+
+def fake_download(hf_cache, files: Path, calls: list):
+    """Stands in for `snapshot_download` while online: writes `files` into the cache as the
+    hub would and returns the snapshot."""
+
+    def download(repo_id, revision=None, cache_dir=None, allow_patterns=None):
+        calls.append({"repo_id": repo_id, "revision": revision, "cache_dir": cache_dir, "allow_patterns": allow_patterns})
+        return str(cache_folder(Path(cache_dir), repo_id, files, revision or "main"))
+
+    return download
+
+
+def test_online_a_missing_model_is_fetched_into_the_hub_cache(tmp_path, monkeypatch, hf_cache):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    calls = []
+    monkeypatch.setattr(huggingface, "snapshot_download", fake_download(hf_cache, save_tiny_model(tmp_path / "f"), calls))
+    snapshot = resolve_model(f"{REPO}@dev", progress=False)
+    assert snapshot.parent.parent.parent == hf_cache and check_layout(hf_cache) == {REPO: {snapshot.name}}
+    assert calls == [{"repo_id": REPO, "revision": "dev", "cache_dir": hf_cache, "allow_patterns": huggingface.MODEL_FILES}]
+    assert resolve_model(f"{REPO}@dev") == snapshot and len(calls) == 1  # cached now: no second download
+
+
+@pytest.mark.parametrize("failure, fragment", [
+    (LocalEntryNotFoundError("cannot reach huggingface.co"), "the hub is unreachable"),
+    (ConnectionResetError("reset by peer"), "the download failed (ConnectionResetError)"),
+])
+def test_online_a_failed_fetch_is_one_line_saying_how_to_fetch(monkeypatch, hf_cache, failure, fragment):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def broken(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(huggingface, "snapshot_download", broken)
+    with pytest.raises(ModelResolutionError) as err:
+        resolve_model(REPO, progress=False)
+    message = one_line(err)
+    assert fragment in message and f"`hf download {REPO}`" in message
+
+
+def test_cli_hub_id_errors_are_one_line_and_write_nothing(tmp_path, hf_cache, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox . " * 200)
+    for model in ("Qwen/Qwen2.5-0.5B-Instruct", "a/b/c", f"{REPO}@nope"):
+        out = tmp_path / "scores.json"
+        assert main(["analyze", model, "--data", str(text), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"recurformer: error: {model}: ")
+        assert not out.exists()
+
+
+def test_cli_an_unsupported_hub_architecture_is_one_line_and_writes_nothing(tmp_path, hf_cache, capsys):
+    files = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=64, n_embd=16, n_layer=1, n_head=2)).save_pretrained(files)
+    tiny_tokenizer().save_pretrained(files)
+    cache_folder(hf_cache, "tiny-org/tiny-gpt2", files)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox . " * 200)
+    run = ["run", "--model", "tiny-org/tiny-gpt2", "--data", str(text), "--eval-data", str(text), "--out", str(tmp_path / "r")]
+    analyze = ["analyze", "tiny-org/tiny-gpt2", "--data", str(text), "--out", str(tmp_path / "s.json")]
+    capsys.readouterr()
+    for argv in (run, analyze):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "unsupported architecture 'gpt2'" in err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s.json").exists()
+
+
+def test_cli_revision_reaches_the_model(tmp_path, tiny_repo, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog . " * 100)
+    out = tmp_path / "scores.json"
+    assert main(["analyze", REPO, "--revision", "dev", "--data", str(text), "--out", str(out), "--scorer", "recency",
+                 "--sequences", "2", "--seq-len", "32"]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["fingerprint"] == model_fingerprint(tiny_model("llama", seed=1))
+    assert main(["generate", "smollm2-135m", "--revision", "dev", "--prompt", "hi"]) == 2
+    assert "--revision applies to Hugging Face ids (org/name), not to smollm2-135m" in capsys.readouterr().err

@@ -60,6 +60,10 @@ def test_quick_run_end_to_end(tmp_path):
         assert f"]({image})" in report
         assert (out / image).read_bytes()[:8] == PNG
     assert sorted(p.stem for p in (out / "stages").glob("*.json")) == sorted(STAGES)
+    card = (out / "final" / "README.md").read_text()  # the final model's card, with the run's numbers
+    assert "base_model: \"HuggingFaceTB/SmolLM2-135M-Instruct\"" in card and "A quick run" in card
+    assert f"{metrics['ppl_final']:.2f} ({metrics['ppl_ratio']:.3f}x)" in card
+    assert f"{metrics['transfer_tokens']:,} tokens" in card and f"{metrics['lm_tokens']:,} tokens" in card
 
     markers = {p.name: p.stat().st_mtime_ns for p in (out / "stages").iterdir()}
     again = recurformer("run", "--quick", "--out", out)

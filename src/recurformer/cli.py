@@ -22,6 +22,7 @@ from .bench import BenchConfig
 from .config import MixerConfig
 from .errors import RecurformerError
 from .evaluate import TASKS
+from .hub import with_revision
 from .run import RunConfig, run_pipeline
 from .ablation import AblationConfig
 from .scoring import AnalysisConfig, SelectionConfig
@@ -101,8 +102,8 @@ def build(cls: type, args: argparse.Namespace, **extra: Any):
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     analysis, selection = build(AnalysisConfig, args), build(SelectionConfig, args)
-    scores = commands.analyze_command(args.model, args.data, args.out, plot=args.plot, analysis=analysis,
-                                      selection=selection, ablation=build(AblationConfig, args))
+    scores = commands.analyze_command(with_revision(args.model, args.revision), args.data, args.out, plot=args.plot,
+                                      analysis=analysis, selection=selection, ablation=build(AblationConfig, args))
     values = [v for row in scores.groups[scores.metric] for v in row]
     print(f"scored {len(values)} KV groups on {scores.sequences} x {scores.seq_len} tokens; "
           f"{scores.metric}: min {min(values):.3f}, max {max(values):.3f}; wrote {args.out}")
@@ -115,8 +116,8 @@ MIXER_FLAGS = ("window", "sinks", "ssd_state", "state_dtype")  # the MixerConfig
 def cmd_convert(args: argparse.Namespace) -> int:
     selection = build(SelectionConfig, args)
     mixer = MixerConfig.from_flags(args.kind or MixerConfig.kind, **{name: getattr(args, name) for name in MIXER_FLAGS})
-    summary = commands.convert_command(args.model, args.scores, args.out, selection=selection, mixer=mixer,
-                                       init=args.init, force=args.force)
+    summary = commands.convert_command(with_revision(args.model, args.revision), args.scores, args.out,
+                                       selection=selection, mixer=mixer, init=args.init, force=args.force)
     print(json.dumps(summary))
     return 0
 
@@ -131,23 +132,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for task in TASKS.values() for name in task.option_names()
                if getattr(args, name, None) is not None}
-    print(json.dumps(commands.eval_command(args.model, args.task, args.out, **options)))
+    print(json.dumps(commands.eval_command(with_revision(args.model, args.revision), args.task, args.out, **options)))
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    result = commands.bench_command(args.dirs, args.out, build(BenchConfig, args), baseline=args.baseline, plot=args.plot)
+    result = commands.bench_command(args.dirs, args.out, build(BenchConfig, args),
+                                    baseline=with_revision(args.baseline, args.revision), plot=args.plot)
     for ratio in result["ratios"]:
         print(json.dumps(ratio))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    print(commands.generate_command(args.model, args.prompt, build(commands.GenerationOptions, args)))
+    options = build(commands.GenerationOptions, args)
+    print(commands.generate_command(with_revision(args.model, args.revision), args.prompt, options))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    args.model = with_revision(args.model or RunConfig.model, args.revision)
     metrics = run_pipeline(build(RunConfig, args), args.out, force=args.force)
     print(f"wrote {args.out}/report.md and {args.out}/metrics.json: perplexity {metrics['ppl_original']:.2f} -> "
           f"{metrics['ppl_final']:.2f}, cache {metrics['cache_ratio']:.3f}x and decode {metrics['decode_speedup']:.2f}x "
@@ -176,10 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replace recency-aware attention heads of a pretrained LLM with recurrent (or windowed) mixers.",
     )
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = "local HF model directory or a known name (smollm2-135m)"
+    model_help = "local HF model directory, a known name (smollm2-135m) or a Hugging Face id org/name (docs/models.md)"
+    revision_help = "of a Hugging Face id given as MODEL: branch, tag or commit (default: main)"
 
     p = subcommands.add_parser("analyze", help="score every head's recency ratio on real text")
     p.add_argument("model", help=model_help)
+    p.add_argument("--revision", help=revision_help)
     p.add_argument("--data", nargs="+", required=True, metavar="FILE", help=".txt or .jsonl files")
     p.add_argument("--out", required=True, help="scores JSON to write")
     p.add_argument("--plot", help="heatmap PNG to write (the groups --beta would replace marked)")
@@ -190,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = subcommands.add_parser("convert", help="replace the top-beta KV groups by mixers and save the model")
     p.add_argument("model", help=model_help)
+    p.add_argument("--revision", help=revision_help)
     p.add_argument("--scores", required=True, help="scores JSON written by 'analyze' on this model")
     add_options(p, SelectionConfig)
     add_options(p, MixerConfig, only=("kind", *MIXER_FLAGS))
@@ -211,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = subcommands.add_parser("eval", help="evaluate a model (converted or original)")
-    p.add_argument("model", help="converted directory, model directory or known name")
+    p.add_argument("model", help="converted directory, or a model as for analyze (" + model_help + ")")
+    p.add_argument("--revision", help=revision_help)
     tasks = ", ".join(t.name + (f":<{t.argument}>" if t.argument else "") for t in TASKS.values())
     p.add_argument("--task", required=True, help=f"one of {tasks} (docs/tasks.md)")
     p.add_argument("--out", help="metrics JSON to write")
@@ -221,19 +229,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = subcommands.add_parser("bench", help="cache bytes, prefill and decode speed against the original model")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="converted model directories")
     p.add_argument("--baseline", help="the original model (default: the one DIR was converted from)")
+    p.add_argument("--revision", help="of a Hugging Face id given as --baseline: branch, tag or commit")
     add_options(p, BenchConfig)
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--plot", help="PNG to write")
     p.set_defaults(func=cmd_bench)
 
     p = subcommands.add_parser("generate", help="continue a prompt with a converted (or original) model")
-    p.add_argument("model", help="converted model directory, model directory or known name")
+    p.add_argument("model", help="converted directory, or a model as for analyze (" + model_help + ")")
+    p.add_argument("--revision", help=revision_help)
     p.add_argument("--prompt", required=True)
     add_options(p, commands.GenerationOptions)
     p.set_defaults(func=cmd_generate)
 
     p = subcommands.add_parser("run", help="the whole method end to end: analyze, convert, train, evaluate, bench, report")
     add_options(p, RunConfig)
+    p.add_argument("--revision", help="of a Hugging Face id given as --model: branch, tag or commit (default: main)")
     p.add_argument("--out", required=True, help="run directory (re-running continues it)")
     p.add_argument("--force", action="store_true", help="start over in --out, deleting what is there")
     p.set_defaults(func=cmd_run)

@@ -17,7 +17,7 @@ from .config import ConfigError, MixerConfig, option, require
 from .data import DataError, check_length, load_documents, token_sequences
 from .evaluate import lookup_task, make_options
 from .files import write_json_atomic
-from .loading import load_any, load_converted, load_model, load_teacher
+from .loading import check_convertible, load_any, load_converted, load_model, load_teacher
 from .modeling import check_architecture
 from .report import plot_bench
 from .ablation import AblationConfig
@@ -45,6 +45,7 @@ def analyze_command(model: str, data: list[str], out: str, plot: str | None = No
     groups `selection` would replace marked). With `--scorer ablation` (`ablation-greedy`), also
     each group's ablation cost (and the greedy order); an interrupted run resumes from the
     layers already in `ablation_checkpoint(out)`."""
+    check_convertible(model)
     documents = load_documents(data)
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
@@ -57,6 +58,7 @@ def convert_command(model: str, scores: str, out: str, selection: SelectionConfi
     """Replace the groups `selection` picks from `scores` by `mixer`s (default: Mamba); save
     model + tokenizer into `out`. Returns the number of groups replaced and the parameter counts."""
     require(init in INITS, f"--init: unknown {init!r}; choose one of {', '.join(INITS)}")
+    check_convertible(model)
     head_scores = HeadScores.load(scores)
     out_dir = Path(out)
     if not force:

@@ -11,14 +11,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import ConfigError
 from .files import atomic_directory, atomic_members
-from .hub import resolve_model
+from .hub import local_directory, model_type_of, resolve_model, source_name
+from .model_card import write_model_card
+from .modeling import check_architecture
 from .surgery import model_fingerprint
 
 RECURFORMER_TYPE = "recurformer"
 
 
 def load_model(name_or_path: str, progress: bool = True):
-    """(model in fp32 eval mode, tokenizer, local directory) for a path or a known name."""
+    """(model in fp32 eval mode, tokenizer, local directory) for a path, a known name or a
+    hub id (`org/name`, `org/name@revision`)."""
     directory = resolve_model(name_or_path, progress=progress)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(directory), directory
@@ -62,22 +65,36 @@ def load_teacher(student, teacher: str | None = None):
 
 
 def portable_name(model: str) -> str:
-    """How a converted model records its source: a known name stays a name, a directory
-    becomes its absolute path."""
-    path = Path(model).expanduser()
-    return str(path.resolve()) if (path / "config.json").is_file() else str(model)
+    """How a converted model records its source, so that `load_teacher` finds it again: a
+    known name its canonical name, a directory its absolute path, a hub id
+    `org/name@<commit>` of its snapshot (`hub.source_name`)."""
+    return source_name(model)
+
+
+def check_convertible(name_or_path: str) -> None:
+    """Refuse, before any work, what `resolve_model` would refuse without the network, and a
+    model at hand (a folder, a hub id in the cache, a fetched registry model) of an
+    architecture `convert` does not support."""
+    directory = local_directory(name_or_path)
+    if directory is not None:
+        check_architecture(model_type_of(directory, str(name_or_path)))
 
 
 def save_model(model, tokenizer, out: str | Path) -> None:
-    """Save model + tokenizer as the directory `out`, replacing it whole and atomically."""
+    """Save model + tokenizer (and a converted model's card, `model_card.py`) as the
+    directory `out`, replacing it whole and atomically."""
     with atomic_directory(out, replace=True) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if is_converted(staging):
+            write_model_card(staging)
 
 
 def save_model_files(model, tokenizer, out: str | Path) -> None:
-    """Save model + tokenizer into `out` beside the files already there (training logs),
-    one atomic rename per file."""
+    """Save model + tokenizer (and a converted model's card) into `out` beside the files
+    already there (training logs), one atomic rename per file."""
     with atomic_members(out) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if is_converted(staging):
+            write_model_card(staging)

@@ -33,8 +33,9 @@ class UnsupportedArchitectureError(RecurformerError, ValueError):
     """The base model's architecture is not one RecurFormer can convert."""
 
 
-def check_architecture(config: PreTrainedConfig) -> None:
-    model_type = getattr(config, "model_type", None)
+def check_architecture(config: PreTrainedConfig | str | None) -> None:
+    """Refuse a base model RecurFormer cannot convert; `config`: its config, or its `model_type`."""
+    model_type = config if isinstance(config, str) else getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -51,8 +52,9 @@ class RecurFormerConfig(PreTrainedConfig):
     replacement: dict | None = None
     mixer: dict | None = None
     tie_word_embeddings: bool = False
-    source_model: str | None = None  # the name or path it was converted from (the teacher)
+    source_model: str | None = None  # the name, path or hub id@commit it was converted from (the teacher)
     source_fingerprint: str | None = None  # identifies that model's weights
+    training: list | None = None  # the stages trained since the conversion: [{stage, steps, tokens, trainable}]
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

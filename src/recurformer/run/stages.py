@@ -45,6 +45,7 @@ from ..files import write_json_atomic, write_text_atomic
 from ..hub import resolve_model
 from ..loading import load_converted, load_model, portable_name, save_model
 from ..memory import release_freed_memory
+from ..model_card import write_model_card
 from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect, run_metric_table
 from ..modeling import check_architecture
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
@@ -287,6 +288,7 @@ def report(run: Run) -> dict:
     sections = [task.report_section(values, evaluation) for task in run_tasks() if task.report_section]
     write_text_atomic(layout.report, render_run_report(values, by_key(metrics), rows, run.config.to_dict(),
                                                        results.bench, sections))
+    write_model_card(layout.model("final"), results=values)
     return {"metrics": len(values)}
 
 

@@ -32,8 +32,12 @@ def train_stage(
     out_dir: str | Path, resume: bool = False, progress: bool = True,
 ) -> dict:
     """Train `student` in place on `sequences` `[N, seq_len]`, then save it and `tokenizer`
-    into `out_dir` beside its checkpoint and logs; returns the training summary."""
+    into `out_dir` beside its checkpoint and logs; returns the training summary. The stage
+    is added to the model's `config.training`, which its model card lists."""
     summary = train(student, objective_for(config, student, teacher), sequences, config, out_dir, resume=resume,
                     progress=progress)
+    stage = {"stage": summary["stage"], "steps": summary["steps"], "tokens": summary["tokens"],
+             "trainable": config.trainable}
+    student.config.training = [*(getattr(student.config, "training", None) or []), stage]
     save_model_files(student, tokenizer, out_dir)
     return summary
