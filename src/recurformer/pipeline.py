@@ -46,27 +46,31 @@ from transformers import AutoConfig
 from .ablation import AblationConfig
 from .attention import check_window_fits
 from .bench import BenchConfig, against_original
-from .config import ConfigError, MixerConfig, option, parse_ssd_state, require
+from .checks import check_model_folder, read_json_object, require_finite
+from .config import ConfigError, MixerConfig, check_replaces_some, option, parse_ssd_state, require
 from .data import (
     DATA_ENV,
     EVAL_CORPORA,
     OUT_OF_DOMAIN_CORPORA,
     TRAIN_CORPORA,
+    Corpus,
     DataError,
+    count_tokens,
     load_documents,
     shared_corpora,
     token_sequences,
-    tokenize_documents,
 )
 from .equal_cache import equal_cache_window, window_baseline
+from .errors import RecurformerError
 from .evaluate import TASKS, RunSettings, Task
 from .files import write_json_atomic, write_text_atomic
-from .hub import locate, resolve_model
-from .loading import load_converted, load_model, portable_name, reusing_original, save_model
+from .hub import locate, model_path, resolve_model
+from .loading import load_converted, load_model, model_bytes, portable_name, reusing_original, save_model
 from .memory import PeakMemory, release_freed_memory
 from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
+from .outputs import Claim, check_output, claim_folder
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
 from .surgery import convert, parameter_report
@@ -75,6 +79,10 @@ from .train import CHECKPOINT, TrainConfig, objective_for, seconds_per_step, tra
 RUN_SCHEMA = "recurformer-run/2"
 TRANSFER_SHARE = 0.35
 MICRO_BATCH_TOKENS = 1024
+MAX_BUDGET_MINUTES = 525_600  # a year: a larger budget is a typo (and inf would overflow the step counts)
+# [ours] room for a run, in copies of the original model's weights: converted/, transfer/, final/
+# (~1.1x each), a training checkpoint and the one being written
+RUN_MODEL_COPIES = 6
 def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
     """A parser for `TRANSFER,LM`: two values read by `convert`."""
 
@@ -143,11 +151,14 @@ class RunConfig:
             if overlap:
                 raise ConfigError(f"{flag} must be held out, but {min(overlap)} is also in --data")
         SelectionConfig(self.beta, self.scorer, self.seed)
+        require(self.beta > 0, "--beta 0 replaces no KV group: run needs a beta in (0, 1]")
         for name, value in RUN_SHAPES.get(self.mixer, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self.mixer_config()
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        require(self.budget_minutes <= MAX_BUDGET_MINUTES,
+                f"--budget-minutes must be at most {MAX_BUDGET_MINUTES:,} (a year), got {self.budget_minutes}")
         if self.steps is not None:
             require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
                     f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")
@@ -285,29 +296,43 @@ class Run:
     def finish(self, stage: str, record: dict) -> None:
         write_json_atomic(self.layout.marker(stage), record)
 
-    def claim(self, force: bool) -> None:
-        """Create the directory for this configuration, or check it is this configuration's."""
+    def claim(self, force: bool) -> Claim:
+        """Check `--out` (not an input, writable, room for the run), then hold the directory
+        (`outputs.claim_folder`: locked while this process writes it, stale staging swept,
+        `--force` empties only a run directory) and make it this configuration's, or check
+        it is. Use as `with run.claim(force):`; the lock goes when the block ends."""
         settings, out = self.layout.settings, self.out
-        if out.exists() and any(out.iterdir()):
-            if force:
-                shutil.rmtree(out)
-            elif not settings.is_file():
-                raise ConfigError(f"output directory {out} exists and is not a run directory (use --force to replace it)")
-            else:
-                saved = json.loads(settings.read_text())
-                if saved.get("schema") != RUN_SCHEMA:
-                    raise ConfigError(f"run directory {out} was made by an older recurformer ({saved.get('schema')}); "
-                                      "start it over with --force, or use another --out")
-                mine = self.config.to_dict()
-                changed = [k for k in mine if saved["config"].get(k) != mine[k]]
-                if changed:
-                    key = changed[0]
-                    raise ConfigError(
-                        f"output directory {out} belongs to a different configuration "
-                        f"({key}: {saved['config'].get(key)!r} there, {mine[key]!r} here); use another --out or --force"
-                    )
-                return
-        write_json_atomic(settings, {"schema": RUN_SCHEMA, "config": self.config.to_dict()})
+        check_output(out, [model_path(self.config.model), *self.config.data, *self.config.eval_data,
+                           *self.config.ood_data], RUN_MODEL_COPIES * model_bytes(self.config.model), replaced=force)
+        claim = claim_folder(out, "run", keep=True, replace=force, ours=_run_settings(settings) is not None)
+        claim.written.add(settings.name)
+        try:
+            self._check_or_write_settings()
+        except BaseException:
+            claim.release(failed=True)
+            raise
+        return claim
+
+    def _check_or_write_settings(self) -> None:
+        """Write run.json, or check that the one there is of this schema and configuration."""
+        settings, out = self.layout.settings, self.out
+        if not settings.is_file():
+            write_json_atomic(settings, {"schema": RUN_SCHEMA, "config": self.config.to_dict()})
+            return
+        saved = read_json_object(settings, "run settings")
+        if saved.get("schema") != RUN_SCHEMA:
+            raise ConfigError(f"run directory {out} was made by an older recurformer ({saved.get('schema')}); "
+                              "start it over with --force, or use another --out")
+        if not isinstance(saved.get("config"), dict):
+            raise ConfigError(f"run settings {settings}: has no config; start the run over with --force")
+        mine = self.config.to_dict()
+        changed = [k for k in mine if saved["config"].get(k) != mine[k]]
+        if changed:
+            key = changed[0]
+            raise ConfigError(
+                f"output directory {out} belongs to a different configuration "
+                f"({key}: {saved['config'].get(key)!r} there, {mine[key]!r} here); use another --out or --force"
+            )
 
     @cached_property
     def original(self):
@@ -316,7 +341,7 @@ class Run:
         return model, tokenizer
 
     @cached_property
-    def train_documents(self) -> list[str]:
+    def train_documents(self) -> Corpus:
         return load_documents(self.config.data)
 
     @property
@@ -378,6 +403,15 @@ class Run:
 Stage = Callable[[Run], dict]
 
 
+def _run_settings(path: Path) -> dict | None:
+    """run.json of a run directory made before output folders carried a marker, or None."""
+    try:
+        saved = read_json_object(path) if path.is_file() else None
+    except RecurformerError:
+        return None
+    return saved if saved and str(saved.get("schema", "")).startswith("recurformer-run/") else None
+
+
 def run_tasks() -> list[Task]:
     """The evaluation tasks `run` uses, in report order."""
     return sorted((t for t in TASKS.values() if t.run_options is not None), key=lambda t: t.report_order)
@@ -393,12 +427,14 @@ def _resolve(run: Run) -> dict:
     """Fetch the model, and check before any long work that it takes the mixer and that the
     evaluation texts are long enough."""
     directory = resolve_model(run.config.model)
+    check_model_folder(directory)
     config = AutoConfig.from_pretrained(directory)
     check_architecture(config)
     check_window_fits(config, run.config.mixer_config())
+    check_replaces_some(run.config.beta, config.num_hidden_layers * config.num_key_value_heads)
     needed = evaluation_tokens(run.task_settings())
     for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
-        tokens = len(tokenize_documents(run.original[1], load_documents(paths)))
+        tokens = count_tokens(run.original[1], load_documents(paths), limit=needed)
         if tokens < needed:
             raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
     return {"directory": str(directory)}
@@ -496,6 +532,7 @@ def _evaluate(run: Run) -> dict:
                 results[key][name] = task.evaluate(model, run.original[1], options)
             del model
             release_freed_memory()
+    require_finite(results, "evaluation")  # never a NaN written as a result
     write_json_atomic(run.layout.evaluation, results)
     return {"evaluations": list(results), "baseline_window": run.baseline_window}
 
@@ -574,19 +611,19 @@ def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progre
                  stages: list[tuple[str, Stage, float]] | None = None) -> dict:
     """Run (or continue) every stage of `config` in `out`; returns the metrics."""
     run = Run(config, out)
-    run.claim(force)
     plan = stages or STAGES
     weights = stage_weights(config)
-    bar = tqdm(total=round(sum(weights.get(name, seconds) for name, _, seconds in plan)), desc="run",
-               disable=not progress, bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]")
-    for number, (name, stage, seconds) in enumerate(plan, start=1):
-        bar.set_description(f"run: stage {number}/{len(plan)} {name}")
-        if run.record(name) is None:
-            started = time.monotonic()
-            # settled: what earlier stages freed is not counted in this stage's peak
-            with PeakMemory(settle=True) as memory:
-                record = stage(run)
-            run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2), "peak_rss_bytes": memory.peak})
-        bar.update(round(weights.get(name, seconds)))
-    bar.close()
+    # the run directory is locked until the run ends; the bar is closed before an error is shown
+    with run.claim(force), tqdm(total=round(sum(weights.get(name, seconds) for name, _, seconds in plan)), desc="run",
+                                disable=not progress,
+                                bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]") as bar:
+        for number, (name, stage, seconds) in enumerate(plan, start=1):
+            bar.set_description(f"run: stage {number}/{len(plan)} {name}")
+            if run.record(name) is None:
+                started = time.monotonic()
+                # settled: what earlier stages freed is not counted in this stage's peak
+                with PeakMemory(settle=True) as memory:
+                    record = stage(run)
+                run.finish(name, {**record, "seconds": round(time.monotonic() - started, 2), "peak_rss_bytes": memory.peak})
+            bar.update(round(weights.get(name, seconds)))
     return json.loads(run.layout.metrics.read_text())

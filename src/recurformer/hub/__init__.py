@@ -8,7 +8,7 @@
 
 from .pypi import sha256_file, verify_sha256
 from .registry import MODELS, KnownModel, ModelResolutionError, locate, lookup
-from .store import CACHE_ENV, USE_HUB_ENV, cache_root, resolve_model
+from .store import CACHE_ENV, USE_HUB_ENV, cache_root, model_path, resolve_model
 
 __all__ = [
     "CACHE_ENV",
@@ -19,6 +19,7 @@ __all__ = [
     "cache_root",
     "locate",
     "lookup",
+    "model_path",
     "resolve_model",
     "sha256_file",
     "verify_sha256",

@@ -84,7 +84,13 @@ def locate(name_or_path: str | os.PathLike) -> Path | KnownModel:
     """
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
-    if (path / "config.json").is_file():
+    try:
+        is_model = (path / "config.json").is_file()
+        path.exists()
+    except OSError as error:  # a name too long for a path (ENAMETOOLONG), or unreadable
+        shown = text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
+        raise ModelResolutionError(f"{shown}: not a model directory ({error.strerror}) and not a known model name") from None
+    if is_model:
         return path
     # A known name (or its hub id) wins over a stray path of that name without a config.json.
     known = find(text)

@@ -123,6 +123,13 @@ def fetch(spec: KnownModel, final: Path, progress: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def model_path(name_or_path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
+    """Where `resolve_model` finds or puts the model, without fetching it: the directory
+    itself, or `<cache>/models/<name>` for a known name."""
+    found = locate(name_or_path)
+    return found if isinstance(found, Path) else cache_root(cache_dir) / "models" / found.name
+
+
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """A local Hugging Face model directory for a path or a known model name.
 
@@ -139,7 +146,7 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
     found = locate(name_or_path)
     if isinstance(found, Path):
         return found
-    final = cache_root(cache_dir) / "models" / found.name
+    final = model_path(name_or_path, cache_dir)
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 and the `lm` stage (end-to-end next-token loss, optional distillation)."""
 
 from .lm import LMObjective
-from .loop import CHECKPOINT, TrainConfig, TrainingDiverged, seconds_per_step, train
+from .loop import CHECKPOINT, TrainConfig, TrainingDiverged, check_checkpoint, made_by_train, seconds_per_step, train
 from .stage import needs_teacher, objective_for, train_stage
 from .transfer import TransferObjective
 
@@ -12,6 +12,8 @@ __all__ = [
     "TrainConfig",
     "TrainingDiverged",
     "TransferObjective",
+    "check_checkpoint",
+    "made_by_train",
     "needs_teacher",
     "objective_for",
     "seconds_per_step",
