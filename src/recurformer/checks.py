@@ -224,7 +224,7 @@ def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, 
     for name, tensor in tensors:
         if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
-        if torch.isfinite(tensor.sum(dtype=torch.float64)):
+        if torch.isfinite(tensor.sum()):
             continue
         if torch.isnan(tensor).any():
             return name, "NaN"

@@ -48,14 +48,32 @@ def shared_corpora(names: tuple[str, ...]) -> list[str]:
     return [str(folder / name) for name in names if (folder / name).is_file()]
 
 
-PIECE_CHARS = 8 * 2**20  # [ours] a longer document is tokenized in pieces cut at line ends (memory)
-BATCH_CHARS = 2**20  # text per tokenizer call
+# [ours] a longer document is tokenized in pieces (`_cut`): a fast tokenizer holds about 270
+# bytes per token while it works, so a piece of 1 Mi characters costs about 250 MiB
+PIECE_CHARS = 2**20
+BATCH_CHARS = 2**16  # text per tokenizer call (many short documents at once)
+
+
+def _cut_point(text: str, limit: int) -> int | None:
+    """The last position up to `limit` just after a line end that sits between two
+    non-space characters, or None. [ours] Byte-level BPE tokenizers (GPT-2 style
+    pre-tokenization, as SmolLM2's) give the same tokens for the two sides as for the
+    whole there; a tokenizer that adds a prefix space to each text (SentencePiece) may not."""
+    end = min(limit, len(text) - 1)
+    while (i := text.rfind("\n", 1, end)) > 0:
+        if not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i + 1
+        end = i
+    return None
 
 
 def _cut(text: str) -> Iterator[str]:
-    """`text` in pieces of at most about PIECE_CHARS, cut after a line end where there is one."""
+    """`text` in pieces of about PIECE_CHARS, cut where `_cut_point` finds a place (up to
+    four times longer pieces where it finds none, then anywhere)."""
     while len(text) > PIECE_CHARS:
-        cut = text.rfind("\n", 0, PIECE_CHARS) + 1 or PIECE_CHARS
+        cut = _cut_point(text, PIECE_CHARS) or _cut_point(text, 4 * PIECE_CHARS) or 4 * PIECE_CHARS
+        if cut >= len(text):
+            break
         yield text[:cut]
         text = text[cut:]
     yield text
@@ -140,8 +158,10 @@ class Corpus(Documents):
     def _file_pieces(self, path: Path) -> Iterator[tuple[str, bool]]:
         try:
             with open(path, encoding="utf-8", errors="replace") as file:
-                lines = iter(lambda: file.readline(PIECE_CHARS), "")  # a line without end is read in parts
-                yield from (_jsonl_pieces(path, lines) if path.suffix == ".jsonl" else _text_pieces(lines))
+                if path.suffix == ".jsonl":  # a line is a JSON record: read whole
+                    yield from _jsonl_pieces(path, file)
+                else:  # a line without an end is read in parts
+                    yield from _text_pieces(iter(lambda: file.readline(PIECE_CHARS), ""))
         except OSError as error:
             raise DataError(f"data file {path}: cannot be read ({error.strerror})") from None
 
@@ -160,16 +180,21 @@ def _text_pieces(lines: Iterable[str]) -> Iterator[tuple[str, bool]]:
             if _ARTICLE_HEADING.match(line.rstrip("\n")) and current:
                 document = "".join(current)
                 if document.strip():
-                    yield document, True
+                    parts = list(_cut(document))
+                    for number, part in enumerate(parts, start=1):
+                        yield part, number == len(parts)
                 current, size = [], 0
             current.append(line)
             size += len(line)
-            if size >= PIECE_CHARS:
-                yield "".join(current), False
-                current, size = [], 0
+            if size >= 2 * PIECE_CHARS:  # a huge document: hand on its pieces, keep the rest
+                *pieces, rest = _cut("".join(current))
+                yield from ((piece, False) for piece in pieces)
+                current, size = [rest], len(rest)
     document = "".join(current)
     if document.strip():
-        yield document, True
+        parts = list(_cut(document))
+        for number, part in enumerate(parts, start=1):
+            yield part, number == len(parts)
 
 
 def _jsonl_pieces(path: Path, lines: Iterable[str]) -> Iterator[tuple[str, bool]]:
