@@ -20,7 +20,7 @@ from .files import sweep_staging, write_json_atomic
 from .hub import model_path
 from .loading import load_any, load_converted, load_model, load_teacher, model_bytes, portable_name, save_model
 from .modeling import check_architecture
-from .outputs import check_output, check_replaceable, claim_folder
+from .outputs import check_output, check_replaceable, claim_folder, size_of
 from .report import plot_bench, plot_head_heatmap
 from .ablation import AblationConfig
 from .scoring import AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
@@ -71,7 +71,8 @@ def convert_command(model: str, scores: str, out: str, selection: SelectionConfi
     model + tokenizer into `out`. Returns the number of groups replaced and the parameter counts."""
     require(init in INITS, f"--init: unknown {init!r}; choose one of {', '.join(INITS)}")
     out_dir = Path(out)
-    check_output(out_dir, [model_path(model), scores], int(CONVERT_MODEL_COPIES * model_bytes(model)), replaced=True)
+    check_output(out_dir, [model_path(model), scores], int(CONVERT_MODEL_COPIES * model_bytes(model)), replaced=True,
+                 beside=True)
     check_replaceable(out_dir, "convert", force)
     head_scores = HeadScores.load(scores)
     sweep_staging(out_dir.parent)  # what a convert that was killed while saving left
@@ -90,7 +91,8 @@ def train_command(directory: str, data: list[str], out: str, config: TrainConfig
     """Run one training stage on a converted model and save the result into `out`."""
     out_dir = Path(out)
     inputs = [directory, *data, *([model_path(teacher)] if teacher else [])]
-    check_output(out_dir, inputs, TRAIN_MODEL_COPIES * model_bytes(directory), replaced=force and not resume)
+    check_output(out_dir, inputs, TRAIN_MODEL_COPIES * model_bytes(directory) - (size_of(out_dir) if resume else 0),
+                 replaced=force and not resume)
     if resume:
         check_checkpoint(out_dir / CHECKPOINT)
     # locked while training: a second train into the same --out is refused

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from .config import ConfigError
 
 # `.<name>.partial-<pid>-...` or `.partial-<pid>-...`; older versions wrote `.<name>.partial-<8 random>`,
@@ -139,16 +141,6 @@ def atomic_members(directory: str | Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def stale_staging(entry: Path, owned: bool = False) -> bool:
     """Whether `entry` is a staging file or directory that no live writer will finish: its
     writer's process is gone, or (`owned`: the caller holds the folder's lock, so nobody else
@@ -157,7 +149,7 @@ def stale_staging(entry: Path, owned: bool = False) -> bool:
     if match is None:
         return False
     pid = match.group("pid")
-    return owned or pid is None or (int(pid) != os.getpid() and not _alive(int(pid)))
+    return owned or pid is None or (int(pid) != os.getpid() and not psutil.pid_exists(int(pid)))
 
 
 def sweep_staging(directory: str | Path, owned: bool = False, recursive: bool = False) -> list[Path]:

@@ -51,11 +51,12 @@ def _gib(size: int) -> str:
 
 
 def check_output(out: str | Path, inputs: Iterable[str | Path] = (), need_bytes: int = 0, folder: bool = True,
-                 replaced: bool = False, flag: str = "--out") -> None:
+                 replaced: bool = False, beside: bool = False, flag: str = "--out") -> None:
     """Refuse, before any work, an output `out` (a folder, or a file if not `folder`) that
     is one of `inputs` or inside one, that holds one while it is to be `replaced`, that is
     a file where a folder is due (or the reverse), or whose folder cannot be written or has
-    less than `need_bytes` free."""
+    less than `need_bytes` free. A folder is written inside when it exists, unless it is
+    staged `beside` it and renamed into place (then its parent is written)."""
     out = Path(out)
     name = shown(out)
     try:
@@ -72,7 +73,7 @@ def check_output(out: str | Path, inputs: Iterable[str | Path] = (), need_bytes:
             if replaced and target in source.parents:
                 raise OutputError(f"{flag} {name} holds the input {given}; replacing it would delete the input")
         # a folder that exists is written inside; otherwise the nearest existing folder above gets it
-        where = target if folder and target.is_dir() else _nearest_existing(target.parent)
+        where = target if folder and target.is_dir() and not beside else _nearest_existing(target.parent)
         if not where.is_dir():
             raise OutputError(f"{flag} {name}: {where} is not a directory")
         fd, probe = tempfile.mkstemp(dir=where, prefix=staging_prefix("probe"))
@@ -86,6 +87,13 @@ def check_output(out: str | Path, inputs: Iterable[str | Path] = (), need_bytes:
     if free < need_bytes:
         raise OutputError(f"{flag} {name}: not enough room in {where}: the command writes about {_gib(need_bytes)}, "
                           f"{_gib(free)} are free")
+
+
+def size_of(folder: str | Path) -> int:
+    """Bytes of the files under `folder` (0 if there is none): what a resumed command has
+    written already, and need not find room for again."""
+    folder = Path(folder)
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
 def made_by(folder: str | Path) -> str | None:

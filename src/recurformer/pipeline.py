@@ -70,7 +70,7 @@ from .memory import PeakMemory, release_freed_memory
 from .metrics import BASELINE, MODELS, RUN_METRICS, RUN_ROWS, Metric, Row, RunResults, by_key, collect, mib
 from .mixers import MIXERS
 from .modeling import check_architecture
-from .outputs import Claim, check_output, claim_folder
+from .outputs import Claim, check_output, claim_folder, size_of
 from .report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from .scoring import SCORERS, AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
 from .surgery import convert, parameter_report
@@ -302,8 +302,9 @@ class Run:
         `--force` empties only a run directory) and make it this configuration's, or check
         it is. Use as `with run.claim(force):`; the lock goes when the block ends."""
         settings, out = self.layout.settings, self.out
+        need = RUN_MODEL_COPIES * model_bytes(self.config.model) - (0 if force else size_of(out))  # less what is written
         check_output(out, [model_path(self.config.model), *self.config.data, *self.config.eval_data,
-                           *self.config.ood_data], RUN_MODEL_COPIES * model_bytes(self.config.model), replaced=force)
+                           *self.config.ood_data], need, replaced=force)
         claim = claim_folder(out, "run", keep=True, replace=force, ours=_run_settings(settings) is not None)
         claim.written.add(settings.name)
         try:
