@@ -211,11 +211,16 @@ def read_only_folder(path: Path):
         subprocess.run(["umount", str(path)], check=True)
 
 
-@pytest.mark.parametrize("command", ["analyze", "convert"])
+@pytest.mark.parametrize("command", ["analyze", "convert", "train", "run"])
 def test_out_in_a_read_only_folder_is_refused_before_the_work(ws, capsys, command, tmp_path_factory, monkeypatch):
-    monkeypatch.setattr("recurformer.commands.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for loader in ("commands.load_model", "commands.load_converted", "pipeline.load_model"):
+        monkeypatch.setattr(f"recurformer.{loader}", lambda *a, **k: pytest.fail("a model was loaded"))
+    (ws / "held-out.txt").write_text("a recurrent state has a fixed size . " * 200)
     with read_only_folder(tmp_path_factory.mktemp("ro") / "locked") as locked:
-        argv = analyze(ws, locked / "scores.json") if command == "analyze" else convert(ws, locked / "converted")
+        argv = {"analyze": analyze(ws, locked / "scores.json"), "convert": convert(ws, locked / "converted"),
+                "train": ("train", ws / "converted", "--data", ws / "text.txt", *TRAIN, "--out", locked / "trained"),
+                "run": ("run", "--quick", "--model", ws / "model", "--data", ws / "text.txt", "--eval-data",
+                        ws / "held-out.txt", "--ood-data", ws / "held-out.txt", "--out", locked / "run")}[command]
         refused(capsys, ws, argv, locked, "cannot write there")
 
 
@@ -286,6 +291,26 @@ def test_stale_staging_of_a_killed_convert_is_swept_and_a_live_ones_kept(ws, cap
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_run_folder_is_swept_of_what_a_killed_run_left(ws, capsys):
+    """Staging copies of a run killed while saving (at the top, inside a stage's folder) go
+    at the next start; the run's own files stay."""
+    from recurformer.pipeline import Run, RunConfig
+
+    (ws / "held-out.txt").write_text("a recurrent state has a fixed size . " * 200)
+    config = RunConfig(model=str(ws / "model"), data=[str(ws / "text.txt")], eval_data=[str(ws / "held-out.txt")],
+                       ood_data=[str(ws / "held-out.txt")], quick=True)
+    Run(config, ws / "run").claim(force=False).release()
+    (ws / "run" / "final").mkdir()
+    (ws / "run" / "final" / "train_log.jsonl").write_text("")
+    left = [ws / "run" / ".converted.partial-4194304-x1y2z3", ws / "run" / "final" / ".partial-4194304-a1b2c3",
+            ws / "run" / "final" / ".checkpoint.partial", ws / "run" / ".metrics.partial-4194304-q9.json"]
+    for path in left:
+        path.mkdir() if path.suffix != ".json" else path.write_text("{")
+    with Run(config, ws / "run").claim(force=False):
+        assert not any(path.exists() for path in left)
+        assert (ws / "run" / "final" / "train_log.jsonl").exists() and (ws / "run" / "run.json").exists()
 
 
 # --- scores -----------------------------------------------------------------------------

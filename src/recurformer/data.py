@@ -172,29 +172,30 @@ def load_documents(paths: list[str | Path]) -> Corpus:
 
 
 def _text_pieces(lines: Iterable[str]) -> Iterator[tuple[str, bool]]:
-    """The pieces of a text file's documents: a new document starts at each article heading."""
+    """The pieces of a text file's documents: a new document starts at each article heading
+    (a blank document is skipped)."""
     current: list[str] = []
-    size = 0
+    size, begun = 0, False  # begun: pieces of the current document were handed on already
+
+    def ending() -> Iterator[tuple[str, bool]]:
+        document = "".join(current)
+        if begun or document.strip():
+            parts = list(_cut(document))
+            for number, part in enumerate(parts, start=1):
+                yield part, number == len(parts)
+
     for read in lines:
         for line in read.splitlines(keepends=True):  # the line ends str.splitlines knows, as a whole read would
             if _ARTICLE_HEADING.match(line.rstrip("\n")) and current:
-                document = "".join(current)
-                if document.strip():
-                    parts = list(_cut(document))
-                    for number, part in enumerate(parts, start=1):
-                        yield part, number == len(parts)
-                current, size = [], 0
+                yield from ending()
+                current, size, begun = [], 0, False
             current.append(line)
             size += len(line)
             if size >= 2 * PIECE_CHARS:  # a huge document: hand on its pieces, keep the rest
                 *pieces, rest = _cut("".join(current))
                 yield from ((piece, False) for piece in pieces)
-                current, size = [rest], len(rest)
-    document = "".join(current)
-    if document.strip():
-        parts = list(_cut(document))
-        for number, part in enumerate(parts, start=1):
-            yield part, number == len(parts)
+                current, size, begun = [rest], len(rest), begun or bool(pieces)
+    yield from ending()
 
 
 def _jsonl_pieces(path: Path, lines: Iterable[str]) -> Iterator[tuple[str, bool]]:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .files import OutputError, staging_prefix, sweep_staging, write_json_atomic
 from .checks import DamagedFileError, read_json_object
+from .files import OutputError, staging_prefix, sweep_staging, write_json_atomic
 
 MARKER = ".recurformer-output.json"
 LOCK = ".recurformer.lock"
