@@ -18,7 +18,7 @@ class WordTokenizer:
 def test_wikitext_headings_split_documents(tmp_path):
     path = tmp_path / "wiki.txt"
     path.write_text(" = First = \n\n one two \n = = Sub = = \n three \n = Second = \n four five six \n")
-    docs = load_documents([path])
+    docs = list(load_documents([path]))
     assert len(docs) == 2
     assert docs[0].startswith(" = First = ") and "Sub" in docs[0]
 
@@ -26,7 +26,7 @@ def test_wikitext_headings_split_documents(tmp_path):
 def test_jsonl_text_field(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"text": "a b"}) + "\n\n" + json.dumps({"text": "c"}) + "\n")
-    assert load_documents([path]) == ["a b", "c"]
+    assert list(load_documents([path])) == ["a b", "c"]
     path.write_text('{"content": "x"}\n')
     with pytest.raises(DataError, match="d.jsonl:1: expected an object with a string 'text' field"):
         load_documents([path])

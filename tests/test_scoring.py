@@ -134,7 +134,8 @@ def test_scores_json_round_trip(tmp_path):
     assert records[0] == {"layer": 0, "kv_head": 0, "rr_16": pytest.approx(0.8), "sink": 0.0}
 
 
-@pytest.mark.parametrize("content, message", [("{", "not valid JSON"), ('{"a": 1}', "not a recurformer scores file")])
+@pytest.mark.parametrize("content, message", [("{", "truncated"), ("{]", "not valid JSON"),
+                                              ('{"a": 1}', "not a recurformer scores file")])
 def test_bad_scores_files_are_refused(tmp_path, content, message):
     path = tmp_path / "scores.json"
     path.write_text(content)

@@ -102,3 +102,37 @@ def save_tiny_model(path, arch: str = "llama", seed: int = 0):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Words for the run model's tokenizer: MQAR draws its keys and values from whole-word tokens.
+WORDS = ("apple river stone cloud green house table water music light paper glass forest window garden bridge "
+         "silver market letter winter summer doctor pencil rabbit castle dragon engine island jacket kettle lemon "
+         "mirror needle orange pepper quartz ribbon saddle tiger violin wagon yellow zebra anchor basket candle "
+         "desert feather hammer ladder meadow nickel oyster puzzle rocket sugar tunnel velvet walnut butter cotton").split()
+
+
+def save_tiny_run_model(path, seed: int = 0):
+    """A tiny Llama whose tokenizer (1,000 tokens, trained on the evaluation tasks' prompts
+    and plain words) lets `recurformer run --quick` go through every stage, including the
+    HashHop, passkey and MQAR evaluations that `tiny_tokenizer` is too small for; returns
+    the path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from recurformer.tasks import passkey
+    from recurformer.tasks.hashhop import generate_hashhop
+
+    text = [generate_hashhop(1, hops=1, n_chains=2, seed=s)[0].prompt for s in range(3)]
+    text += [passkey.EXAMPLE, " ".join(WORDS) * 5, "the quick brown fox jumps over the lazy dog ."]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator(text * 5, trainer)
+    config_cls, model_cls, extra = ARCHITECTURES["llama"]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**COMMON, "vocab_size": 1024}, **extra)).eval()
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>").save_pretrained(path)
+    return path

@@ -50,7 +50,7 @@ from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .config import ConfigError, MixerConfig, groups_to_replace, option, require
-from .data import DataError, check_length, token_sequences, tokenize_documents
+from .data import DataError, check_length, count_tokens, token_sequences
 from .files import write_json_atomic
 from .surgery import model_fingerprint
 
@@ -105,10 +105,10 @@ def calibration_sequences(tokenizer, documents: list[str], config: AblationConfi
     saying how many tokens are needed when the documents are too short."""
     check_length(config.ablation_seq_len, model_config)
     _check_window(model_config, config.ablation_seq_len)
-    ids = tokenize_documents(tokenizer, documents)
-    if len(ids) < config.tokens:
+    tokens = count_tokens(tokenizer, documents)
+    if tokens < config.tokens:
         raise DataError(f"the ablation scorer needs {config.ablation_sequences} x {config.ablation_seq_len} = "
-                        f"{config.tokens} tokens of calibration text, the data has {len(ids)} (--scorer recency needs less)")
+                        f"{config.tokens} tokens of calibration text, the data has {tokens} (--scorer recency needs less)")
     return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
 
 

@@ -13,23 +13,27 @@ from pathlib import Path
 import torch
 
 from .bench import BenchConfig, against_original
-from .config import ConfigError, MixerConfig, option, require
+from .checks import require_finite
+from .config import MixerConfig, option, require
 from .data import DataError, check_length, load_documents, token_sequences
 from .evaluate import lookup_task, make_options
-from .files import write_json_atomic
-from .loading import check_convertible, load_any, load_converted, load_model, load_teacher
+from .files import sweep_staging, write_json_atomic
+from .hub import model_path
+from .loading import check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
 from .modeling import check_architecture
+from .outputs import check_output, check_replaceable, claim_folder, size_of
 from .report import plot_bench
 from .ablation import AblationConfig
 from .run import analyze_heads, convert_heads
 from .scoring import AnalysisConfig, HeadScores, SelectionConfig
 from .surgery import INITS
-from .train import CHECKPOINT, TrainConfig, has_checkpoint, needs_teacher, train_stage
+from .train import CHECKPOINT, TrainConfig, check_checkpoint, made_by_train, needs_teacher, train_stage
 
-
-def _refuse_occupied(out: Path, hint: str) -> None:
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"output directory {out} exists and is not empty ({hint})")
+SMALL_OUTPUT_BYTES = 64 * 2**20  # room for a scores or metrics JSON and a plot
+# [ours] room for what convert and train write, in copies of the original model's weights: the
+# converted model (~1.1x; an older one is kept until the new one is complete), and for train the
+# model, its checkpoint and the checkpoint being written
+CONVERT_MODEL_COPIES, TRAIN_MODEL_COPIES = 1.25, 4
 
 
 def ablation_checkpoint(out: str | Path) -> Path:
@@ -46,6 +50,11 @@ def analyze_command(model: str, data: list[str], out: str, plot: str | None = No
     each group's ablation cost (and the greedy order); an interrupted run resumes from the
     layers already in `ablation_checkpoint(out)`."""
     check_convertible(model)
+    inputs = [model_path(model), *data]
+    check_output(out, inputs, SMALL_OUTPUT_BYTES, folder=False)
+    if plot:
+        check_output(plot, inputs, folder=False, flag="--plot")
+    sweep_staging(Path(out).parent)  # temporary files of an analyze that was killed
     documents = load_documents(data)
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
@@ -59,33 +68,38 @@ def convert_command(model: str, scores: str, out: str, selection: SelectionConfi
     model + tokenizer into `out`. Returns the number of groups replaced and the parameter counts."""
     require(init in INITS, f"--init: unknown {init!r}; choose one of {', '.join(INITS)}")
     check_convertible(model)
-    head_scores = HeadScores.load(scores)
     out_dir = Path(out)
-    if not force:
-        _refuse_occupied(out_dir, "use --force to replace it")
+    check_output(out_dir, [model_path(model), scores], int(CONVERT_MODEL_COPIES * model_bytes(model)), replaced=True,
+                 beside=True)
+    check_replaceable(out_dir, "convert", force)
+    head_scores = HeadScores.load(scores)
+    sweep_staging(out_dir.parent)  # what a convert that was killed while saving left
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
-    return convert_heads(net, tokenizer, head_scores, selection, mixer or MixerConfig(), init, str(model), out_dir)[1]
+    return convert_heads(net, tokenizer, head_scores, selection, mixer or MixerConfig(), init, str(model), out_dir,
+                         command="convert")[1]
 
 
 def train_command(directory: str, data: list[str], out: str, config: TrainConfig, teacher: str | None = None,
                   resume: bool = False, force: bool = False, keep_checkpoint: bool = False) -> dict:
     """Run one training stage on a converted model and save the result into `out`."""
     out_dir = Path(out)
-    if resume and not has_checkpoint(out_dir):
-        raise ConfigError(f"--resume: no checkpoint in {out_dir}")
-    if not resume and out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            _refuse_occupied(out_dir, "use --resume to continue or --force to start over")
-        shutil.rmtree(out_dir)
-    documents = load_documents(data)
-    student, tokenizer = load_converted(directory)
-    check_length(config.seq_len, student.config.text_config)
-    original = load_teacher(student, teacher) if needs_teacher(config) else None
-    sequences = token_sequences(tokenizer, documents, config.seq_len, seed=config.seed)
-    summary = train_stage(student, tokenizer, original, sequences, config, out_dir, resume=resume)
-    if not keep_checkpoint:
-        shutil.rmtree(out_dir / CHECKPOINT, ignore_errors=True)
+    inputs = [directory, *data, *([model_path(teacher)] if teacher else [])]
+    check_output(out_dir, inputs, TRAIN_MODEL_COPIES * model_bytes(directory) - (size_of(out_dir) if resume else 0),
+                 replaced=force and not resume)
+    if resume:
+        check_checkpoint(out_dir / CHECKPOINT)
+    # locked while training: a second train into the same --out is refused
+    with claim_folder(out_dir, "train", keep=resume, replace=force and not resume, ours=made_by_train(out_dir),
+                      hint="use --resume to continue or --force to start over"):
+        documents = load_documents(data)
+        student, tokenizer = load_converted(directory)
+        check_length(config.seq_len, student.config.text_config)
+        original = load_teacher(student, teacher) if needs_teacher(config) else None
+        sequences = token_sequences(tokenizer, documents, config.seq_len, seed=config.seed)
+        summary = train_stage(student, tokenizer, original, sequences, config, out_dir, resume=resume)
+        if not keep_checkpoint:
+            shutil.rmtree(out_dir / CHECKPOINT, ignore_errors=True)
     return summary
 
 
@@ -98,8 +112,11 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
     missing = [path for path in getattr(settings, "data", []) if not Path(path).is_file()]
     if missing:  # before the model loads, not after
         raise DataError(f"data file not found: {missing[0]}")
+    if out:
+        check_output(out, [model_path(model), *getattr(settings, "data", [])], SMALL_OUTPUT_BYTES, folder=False)
     net, tokenizer = load_any(model)
     metrics = {"model": str(model), "task": chosen.name, **chosen.measure(net.eval(), tokenizer, settings)}
+    require_finite(metrics, f"--task {chosen.name} on {model}")  # never a NaN written as a result
     if out:
         write_json_atomic(out, metrics)
     return metrics
@@ -108,6 +125,9 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
 def bench_command(directories: list[str], out: str, config: BenchConfig = BenchConfig(), baseline: str | None = None,
                   plot: str | None = None) -> dict:
     """Cache, prefill, decode and memory of converted models against their original."""
+    check_output(out, directories, SMALL_OUTPUT_BYTES, folder=False)
+    if plot:
+        check_output(plot, directories, folder=False, flag="--plot")
     converted = {str(d): load_converted(d)[0] for d in directories}
     original = load_teacher(next(iter(converted.values())), baseline)
     result = against_original(converted, original, config, progress=lambda m: print(f"bench: {m}", flush=True))

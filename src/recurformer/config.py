@@ -213,6 +213,13 @@ def groups_to_replace(num_groups: int, beta: float) -> int:
     return math.floor(beta * num_groups + 0.5)
 
 
+def check_replaces_some(beta: float, num_groups: int) -> None:
+    """Refuse a `beta` that replaces none of a model's `num_groups` KV groups."""
+    require(groups_to_replace(num_groups, beta) >= 1,
+            f"--beta {beta} replaces none of the model's {num_groups} KV groups (the smallest that replaces one "
+            f"is {0.5 / num_groups:.4g})")
+
+
 @dataclass
 class ReplacementSpec:
     """Which KV groups of which layers are replaced by a mixer ([ours]: the unit is a KV group,

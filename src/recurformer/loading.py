@@ -3,34 +3,55 @@ them atomically. Below both the command layer and the pipeline, which share it."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .checks import DamagedFileError, check_finite_weights, check_model_folder, read_json_object, weight_files
 from .config import ConfigError
 from .files import atomic_directory, atomic_members
-from .hub import local_directory, model_type_of, resolve_model, source_name
+from .hub import local_directory, model_path, model_type_of, resolve_model, source_name
 from .model_card import write_model_card
 from .modeling import check_architecture
+from .outputs import mark
 from .surgery import model_fingerprint
 
 RECURFORMER_TYPE = "recurformer"
+
+
+def load_checked(directory: str | Path):
+    """(model in fp32 eval mode, tokenizer) of a model directory, its files checked first
+    (`checks.check_model_folder`) and its weights after loading (no NaN or inf)."""
+    directory = Path(directory)
+    check_model_folder(directory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    except SafetensorError as error:  # a header that passed our check but not the library's (overlapping tensors)
+        raise DamagedFileError(f"{directory}: its weights cannot be read ({str(error).splitlines()[0]})") from None
+    files = weight_files(directory)
+    check_finite_weights(model, files[0] if len(files) == 1 else directory)
+    return model, AutoTokenizer.from_pretrained(directory)
 
 
 def load_model(name_or_path: str, progress: bool = True):
     """(model in fp32 eval mode, tokenizer, local directory) for a path, a known name or a
     hub id (`org/name`, `org/name@revision`)."""
     directory = resolve_model(name_or_path, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(directory), directory
+    model, tokenizer = load_checked(directory)
+    return model, tokenizer, directory
 
 
 def is_converted(path: str | Path) -> bool:
-    """Whether `path` is a directory holding a converted RecurFormer model."""
+    """Whether `path` is a directory holding a converted RecurFormer model (a damaged
+    `config.json` is an error naming it)."""
     config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == RECURFORMER_TYPE
+    try:
+        present = config.is_file()
+    except OSError:  # a name too long to be a path is not a directory (the resolver says so)
+        return False
+    return present and read_json_object(config, "config").get("model_type") == RECURFORMER_TYPE
 
 
 def load_converted(directory: str | Path):
@@ -40,7 +61,7 @@ def load_converted(directory: str | Path):
         raise ConfigError(f"{directory}: not a model directory (no config.json)")
     if not is_converted(path):
         raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    return load_checked(path)
 
 
 def load_any(name_or_path: str):
@@ -80,14 +101,24 @@ def check_convertible(name_or_path: str) -> None:
         check_architecture(model_type_of(directory, str(name_or_path)))
 
 
-def save_model(model, tokenizer, out: str | Path) -> None:
+def model_bytes(name_or_path: str | Path) -> int:
+    """The size of a model's weights files (0 for a model not at hand yet): what commands
+    scale their disk-room estimates by."""
+    directory = model_path(name_or_path)
+    return sum(path.stat().st_size for path in weight_files(directory)) if (directory / "config.json").is_file() else 0
+
+
+def save_model(model, tokenizer, out: str | Path, command: str | None = None) -> None:
     """Save model + tokenizer (and a converted model's card, `model_card.py`) as the
-    directory `out`, replacing it whole and atomically."""
+    directory `out`, replacing it whole and atomically (marked as made by `command`, if
+    given: `outputs.mark`)."""
     with atomic_directory(out, replace=True) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if is_converted(staging):
             write_model_card(staging)
+        if command:
+            mark(staging, command)
 
 
 def save_model_files(model, tokenizer, out: str | Path) -> None:

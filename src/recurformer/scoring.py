@@ -19,7 +19,7 @@ KV-group scores are the mean over the group's query heads.
 
 from __future__ import annotations
 
-import json
+import math
 import random
 import statistics
 from dataclasses import asdict, dataclass, field, replace
@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .ablation import Ablation, AblationConfig, calibration_sequences, measure_ablation
+from .checks import DamagedFileError, read_json
 from .config import ConfigError, ReplacementSpec, groups_to_replace, option, require
 from .data import check_length, token_sequences
 from .files import write_json_atomic
@@ -110,29 +111,36 @@ class HeadScores:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "HeadScores":
+    def from_json(cls, data: dict[str, Any], source: str = "scores") -> "HeadScores":
+        """The scores of a `to_json` record, checked whole: every head and every group of the
+        model exactly once, in range, each statistic a finite number, and the statistic of
+        its window present (`source` names the file in errors)."""
         if not isinstance(data, dict) or data.get("format") != "recurformer-head-scores/1":
-            raise ConfigError("not a recurformer scores file (missing format 'recurformer-head-scores/1')")
+            raise ConfigError(f"{source}: not a recurformer scores file (missing format 'recurformer-head-scores/1')")
         try:
-            layers, heads = data["num_layers"], data["num_heads"]
+            layers, heads, kv_heads, window = (data[k] for k in ("num_layers", "num_heads", "num_kv_heads", "window"))
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (layers, heads, kv_heads, window)):
+                raise ValueError("num_layers, num_heads, num_kv_heads and window must be positive integers")
+            if heads % kv_heads:
+                raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
             stats = [k for k in data["heads"][0] if k not in ("layer", "head", "kv_head")]
-            table = {s: [[0.0] * heads for _ in range(layers)] for s in stats}
-            for record in data["heads"]:
-                for s in stats:
-                    table[s][record["layer"]][record["head"]] = float(record[s])
-            only = [k for k in data.get("groups", [{}])[0] if k not in ("layer", "kv_head") and k not in stats]
-            groups = {s: [[0.0] * data["num_kv_heads"] for _ in range(layers)] for s in only}
-            for record in data.get("groups", []) if only else []:
-                for s in only:
-                    groups[s][record["layer"]][record["kv_head"]] = float(record[s])
+            table = _statistics(data["heads"], stats, ("layer", layers), ("head", heads))
+            records = data.get("groups", [])
+            only = [k for k in (records[0] if records else {}) if k not in ("layer", "kv_head") and k not in stats]
+            groups = _statistics(records, only, ("layer", layers), ("kv_head", kv_heads)) if only else {}
+            metric = f"rr_{window}"
+            if metric not in stats:
+                raise ValueError(f"its heads have no {metric}, the statistic of its window {window} (they have "
+                                 f"{', '.join(stats) or 'none'})")
             return cls(
-                model=data["model"], num_layers=layers, num_heads=heads, num_kv_heads=data["num_kv_heads"],
-                window=data["window"], windows=list(data["windows"]), sequences=data["sequences"],
+                model=data["model"], num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                window=window, windows=list(data["windows"]), sequences=data["sequences"],
                 seq_len=data["seq_len"], heads=table, data=list(data.get("data", [])),
                 fingerprint=data.get("fingerprint", ""), groups=groups, ablation=dict(data.get("ablation", {})),
             )
         except (KeyError, IndexError, TypeError, ValueError) as error:
-            raise ConfigError(f"scores file is malformed ({type(error).__name__}: {error})") from None
+            reason = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            raise ConfigError(f"{source} is malformed ({reason})") from None
 
     def check_model(self, model, name: str = "this model") -> None:
         """Refuse to apply these scores to a model of another shape or with other weights."""
@@ -157,10 +165,35 @@ class HeadScores:
         if not path.is_file():
             raise ConfigError(f"scores file not found: {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"scores file {path} is not valid JSON ({error.msg})") from None
-        return cls.from_json(data)
+            data = read_json(path, "scores file")
+        except DamagedFileError as error:
+            raise ConfigError(str(error)) from None
+        return cls.from_json(data, f"scores file {path}")
+
+
+def _statistics(records: list[dict], names: list[str], rows: tuple[str, int], columns: tuple[str, int]
+                ) -> dict[str, list[list[float]]]:
+    """`{name: [rows][columns]}` from flat records keyed by the `rows` and `columns` fields
+    (field, count): each cell exactly once, in range, each value a finite number."""
+    (row_key, row_count), (column_key, column_count) = rows, columns
+    if len(records) != row_count * column_count:
+        raise ValueError(f"it has {len(records)} records of {row_key}s x {column_key}s, the model has "
+                         f"{row_count} x {column_count} = {row_count * column_count}")
+    table = {name: [[math.nan] * column_count for _ in range(row_count)] for name in names}
+    seen = set()
+    for record in records:
+        row, column = record[row_key], record[column_key]
+        if not (isinstance(row, int) and 0 <= row < row_count and isinstance(column, int) and 0 <= column < column_count):
+            raise ValueError(f"{row_key} {row}, {column_key} {column} is out of range ({row_count} x {column_count})")
+        if (row, column) in seen:
+            raise ValueError(f"{row_key} {row}, {column_key} {column} appears twice")
+        seen.add((row, column))
+        for name in names:
+            value = record[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} of {row_key} {row}, {column_key} {column} is {value!r}, not a finite number")
+            table[name][row][column] = float(value)
+    return table
 
 
 def uniform_recency_ratio(length: int, window: int) -> float:

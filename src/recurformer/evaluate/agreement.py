@@ -69,7 +69,7 @@ def evaluate(model, tokenizer, options: AgreementOptions, original=None) -> dict
     require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
     windows = []
     for path in options.data:
-        ids = tokenize_documents(tokenizer, load_documents([path]))[: options.max_tokens]
+        ids = tokenize_documents(tokenizer, load_documents([path]), limit=options.max_tokens)
         if len(ids) < options.context:
             raise DataError(f"{path} has {len(ids):,} tokens, fewer than one window of --context {options.context}")
         usable = len(ids) // options.context * options.context

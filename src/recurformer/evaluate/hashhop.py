@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import option, require
+from ..config import ConfigError, option, require
 from ..metrics import Metric, Row, per_model
 from ..tasks.hashhop import generate_hashhop, score_hashhop
 from .generation import greedy_completions
@@ -17,8 +17,11 @@ def hashhop_accuracy(
     shots: int = 1, seed: int = 0, batch_size: int = 4, progress: bool = True,
 ) -> dict:
     """Greedy completions of HashHop prompts sized to `target_tokens`, scored by exact match."""
-    problems = generate_hashhop(num_problems, hops=hops, target_tokens=target_tokens, tokenizer=tokenizer,
-                                cot=cot, seed=seed, shots=shots)
+    try:
+        problems = generate_hashhop(num_problems, hops=hops, target_tokens=target_tokens, tokenizer=tokenizer,
+                                    cot=cot, seed=seed, shots=shots)
+    except ValueError as error:  # sizes the tokenizer cannot meet: one line, as passkey does
+        raise ConfigError(f"--task hashhop: {error}") from None
     answer_tokens = max(len(tokenizer.encode(" " + p.answer, add_special_tokens=False)) for p in problems)
     predictions = greedy_completions(model, tokenizer, [p.prompt for p in problems], answer_tokens + 2, batch_size,
                                      desc="hashhop", progress=progress)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import option, require
+from ..config import ConfigError, option, require
 from ..metrics import Metric, Row, per_model
 from ..tasks.mqar import mqar_tokens, score_mqar
 from .logits import greedy_tokens
@@ -23,8 +23,11 @@ def mqar_accuracy(
     """In-context associative recall with real tokens: MQAR sequences whose ids are mapped
     onto a fixed pool of the tokenizer's single-token words, scored on the queried values
     (teacher-forced, one forward pass per batch, the logits a chunk of positions at a time)."""
-    pool = word_pool(tokenizer, 2 * num_kv_pairs * 8)
-    data = mqar_tokens(num_examples, seq_len, num_kv_pairs, vocab_size=len(pool), seed=seed)
+    try:
+        pool = word_pool(tokenizer, 2 * num_kv_pairs * 8)
+        data = mqar_tokens(num_examples, seq_len, num_kv_pairs, vocab_size=len(pool), seed=seed)
+    except ValueError as error:  # sizes the tokenizer or the context cannot meet: one line, as passkey does
+        raise ConfigError(f"--task mqar: {error}") from None
     ids = pool[data["input_ids"]]
     labels = torch.where(data["labels"] >= 0, pool[data["labels"].clamp_min(0)], data["labels"])
     # the greedy guesses, not the logits: 32 sequences of 1,024 tokens have 6.4 GB of logits

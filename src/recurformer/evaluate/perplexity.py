@@ -99,9 +99,7 @@ class PerplexityOptions:
 def evaluate(model, tokenizer, options: PerplexityOptions) -> dict:
     documents = load_documents(options.data)
     check_length(options.context, model.config.get_text_config())
-    ids = torch.tensor(tokenize_documents(tokenizer, documents))
-    if options.max_tokens is not None:
-        ids = ids[: options.max_tokens]
+    ids = torch.tensor(tokenize_documents(tokenizer, documents, limit=options.max_tokens))
     result = perplexity(model.eval(), ids, context=options.context, stride=options.stride, batch_size=options.batch_size)
     return {"data": [str(p) for p in options.data], **result.to_dict()}
 

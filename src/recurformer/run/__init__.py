@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from ..checks import check_model_folder
 from ..hub import resolve_model
 from ..memory import PeakMemory
 from .config import RunConfig, Sizes
@@ -40,24 +41,26 @@ def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progre
                  stages: list[tuple[str, Stage, float]] | None = None) -> dict:
     """Run (or continue) every stage of `config` in `out`; returns the metrics. The model is
     resolved (fetched once if it is a known name) first: the mixer's shape depends on it."""
-    config = config.for_model(AutoConfig.from_pretrained(resolve_model(config.model)))
+    directory = resolve_model(config.model)
+    check_model_folder(directory)  # damaged files: one line, before anything is written
+    config = config.for_model(AutoConfig.from_pretrained(directory))
     run = Run(config, out)
-    run.claim(force)
     plan = stages or STAGES
     weights = stage_weights(config)
-    bar = tqdm(total=round(sum(weights.get(name, seconds) for name, _, seconds in plan)), desc="run",
-               disable=not progress, bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]")
-    for number, (name, stage, seconds) in enumerate(plan, start=1):
-        bar.set_description(f"run: stage {number}/{len(plan)} {name}")
-        if run.layout.record(name) is None:
-            started = time.monotonic()
-            # settled: what earlier stages freed is not counted in this stage's peak
-            with PeakMemory(settle=True) as memory:
-                record = stage(run)
-            run.layout.finish(name, {**record, "seconds": round(time.monotonic() - started, 2),
-                                     "peak_rss_bytes": memory.peak})
-        bar.update(round(weights.get(name, seconds)))
-    bar.close()
+    total = round(sum(weights.get(name, seconds) for name, _, seconds in plan))
+    # the run folder is locked until the run ends; the bar is closed before an error is shown
+    with run.claim(force), tqdm(total=total, desc="run", disable=not progress,
+                                bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed}<{remaining}]") as bar:
+        for number, (name, stage, seconds) in enumerate(plan, start=1):
+            bar.set_description(f"run: stage {number}/{len(plan)} {name}")
+            if run.layout.record(name) is None:
+                started = time.monotonic()
+                # settled: what earlier stages freed is not counted in this stage's peak
+                with PeakMemory(settle=True) as memory:
+                    record = stage(run)
+                run.layout.finish(name, {**record, "seconds": round(time.monotonic() - started, 2),
+                                         "peak_rss_bytes": memory.peak})
+            bar.update(round(weights.get(name, seconds)))
     return json.loads(run.layout.metrics.read_text())
 
 

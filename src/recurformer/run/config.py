@@ -17,6 +17,8 @@ from ..mixers import resolve_for_model
 from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
 
+MAX_BUDGET_MINUTES = 525_600  # a year: a larger budget is a typo (and inf would overflow the step counts)
+
 
 def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
     """A parser for `TRANSFER,LM`: two values read by `convert`."""
@@ -78,8 +80,11 @@ class RunConfig:
             if overlap:
                 raise ConfigError(f"{flag} must be held out, but {min(overlap)} is also in --data")
         SelectionConfig(self.beta, self.scorer, self.seed)
+        require(self.beta > 0, "--beta 0 replaces no KV group: run needs a beta in (0, 1]")
         self.mixer_config()
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
+        require(self.budget_minutes <= MAX_BUDGET_MINUTES,
+                f"--budget-minutes must be at most {MAX_BUDGET_MINUTES:,} (a year), got {self.budget_minutes}")
         if self.steps is not None:
             require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
                     f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")

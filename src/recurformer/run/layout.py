@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
+from ..checks import read_json_object
 from ..config import ConfigError, require
+from ..errors import RecurformerError
 from ..files import write_json_atomic
 from ..metrics import MODELS
+from ..outputs import Claim, check_output, claim_folder, size_of
 
 RUN_SCHEMA = "recurformer-run/2"
 
@@ -54,26 +56,47 @@ class RunLayout:
     def finish(self, stage: str, record: dict) -> None:
         write_json_atomic(self.marker(stage), record)
 
-    def claim(self, config: dict, force: bool) -> None:
-        """Make the folder this configuration's (`config`: `RunConfig.to_dict()`), or check that
-        it already is; `force` starts over in a folder of another configuration."""
+    def claim(self, config: dict, force: bool, inputs: list[str | Path], need_bytes: int) -> Claim:
+        """Check `--out` before any work (not one of the `inputs` nor inside one, writable,
+        room for `need_bytes` more), then hold the folder (`outputs.claim_folder`: locked while
+        this process writes it, stale staging swept, `--force` empties only a run folder) and
+        make it this configuration's (`config`: `RunConfig.to_dict()`), or check that it is.
+        Use as `with layout.claim(...):`; the lock goes when the block ends."""
+        check_output(self.root, inputs, need_bytes - (0 if force else size_of(self.root)), replaced=force)
+        claim = claim_folder(self.root, "run", keep=True, replace=force, ours=_run_settings(self.settings) is not None)
+        claim.written.add(self.settings.name)
+        try:
+            self._check_or_write_settings(config)
+        except BaseException:
+            claim.release(failed=True)
+            raise
+        return claim
+
+    def _check_or_write_settings(self, config: dict) -> None:
+        """Write run.json, or check that the one there is of this schema and configuration."""
         out = self.root
-        if out.exists() and any(out.iterdir()):
-            if force:
-                shutil.rmtree(out)
-            elif not self.settings.is_file():
-                raise ConfigError(f"output directory {out} exists and is not a run directory (use --force to replace it)")
-            else:
-                saved = json.loads(self.settings.read_text())
-                if saved.get("schema") != RUN_SCHEMA:
-                    raise ConfigError(f"run directory {out} was made by an older recurformer ({saved.get('schema')}); "
-                                      "start it over with --force, or use another --out")
-                changed = [k for k in config if saved["config"].get(k) != config[k]]
-                if changed:
-                    key = changed[0]
-                    raise ConfigError(
-                        f"output directory {out} belongs to a different configuration "
-                        f"({key}: {saved['config'].get(key)!r} there, {config[key]!r} here); use another --out or --force"
-                    )
-                return
-        write_json_atomic(self.settings, {"schema": RUN_SCHEMA, "config": config})
+        if not self.settings.is_file():
+            write_json_atomic(self.settings, {"schema": RUN_SCHEMA, "config": config})
+            return
+        saved = read_json_object(self.settings, "run settings")
+        if saved.get("schema") != RUN_SCHEMA:
+            raise ConfigError(f"run directory {out} was made by an older recurformer ({saved.get('schema')}); "
+                              "start it over with --force, or use another --out")
+        if not isinstance(saved.get("config"), dict):
+            raise ConfigError(f"run settings {self.settings}: has no config; start the run over with --force")
+        changed = [k for k in config if saved["config"].get(k) != config[k]]
+        if changed:
+            key = changed[0]
+            raise ConfigError(
+                f"output directory {out} belongs to a different configuration "
+                f"({key}: {saved['config'].get(key)!r} there, {config[key]!r} here); use another --out or --force"
+            )
+
+
+def _run_settings(path: Path) -> dict | None:
+    """run.json of a run folder made before output folders carried a marker, or None."""
+    try:
+        saved = read_json_object(path) if path.is_file() else None
+    except RecurformerError:
+        return None
+    return saved if saved and str(saved.get("schema", "")).startswith("recurformer-run/") else None

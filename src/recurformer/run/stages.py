@@ -37,23 +37,29 @@ from transformers import AutoConfig
 from ..ablation import AblationConfig
 from ..attention import check_window_fits
 from ..bench import against_original
-from ..config import MixerConfig
-from ..data import DataError, load_documents, token_sequences, tokenize_documents
+from ..checks import check_model_folder, require_finite
+from ..config import MixerConfig, check_replaces_some
+from ..data import Corpus, DataError, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
 from ..evaluate import TASKS, RunSettings, Task
 from ..files import write_json_atomic, write_text_atomic
-from ..hub import resolve_model
-from ..loading import load_converted, load_model, portable_name, save_model
+from ..hub import model_path, resolve_model
+from ..loading import load_converted, load_model, model_bytes, portable_name, save_model
 from ..memory import release_freed_memory
 from ..model_card import write_model_card
 from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect, run_metric_table
 from ..modeling import check_architecture
+from ..outputs import Claim
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from ..scoring import AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
 from ..surgery import convert, parameter_report
 from ..train import CHECKPOINT, TrainConfig, has_checkpoint, objective_for, seconds_per_step, train_stage
 from .config import RunConfig, Sizes
 from .layout import RUN_SCHEMA, RunLayout
+
+# [ours] room for a run, in copies of the original model's weights: converted/, transfer/, final/
+# (~1.1x each), a training checkpoint and the one being written
+RUN_MODEL_COPIES = 6
 
 
 def analyze_heads(model, tokenizer, documents: list[str], analysis: AnalysisConfig, selection: SelectionConfig,
@@ -73,14 +79,14 @@ def analyze_heads(model, tokenizer, documents: list[str], analysis: AnalysisConf
 
 
 def convert_heads(model, tokenizer, scores: HeadScores, selection: SelectionConfig, mixer: MixerConfig, init: str,
-                  model_name: str, out: str | Path):
+                  model_name: str, out: str | Path, command: str | None = None):
     """Replace the groups `selection` picks from `scores` by `mixer`s and save the converted
-    model and `tokenizer` into `out`. Returns (the converted model, a record: the groups
-    replaced, their fraction and the parameter counts)."""
+    model and `tokenizer` into `out` (marked as `command`'s output, if given). Returns (the
+    converted model, a record: the groups replaced, their fraction and the parameter counts)."""
     scores.check_model(model, model_name)
     spec = selection.select(scores)
     converted = convert(model, spec, mixer, init=init, seed=selection.seed, source_model=portable_name(model_name))
-    save_model(converted, tokenizer, out)
+    save_model(converted, tokenizer, out, command=command)
     return converted, {"groups": len(spec.groups), "fraction": spec.fraction, **parameter_report(model, converted)}
 
 
@@ -98,8 +104,11 @@ class Run:
     def out(self) -> Path:
         return self.layout.root
 
-    def claim(self, force: bool) -> None:
-        self.layout.claim(self.config.to_dict(), force)
+    def claim(self, force: bool) -> Claim:
+        """Hold the run folder for this configuration (`RunLayout.claim`): `with run.claim(force):`."""
+        config = self.config
+        inputs = [model_path(config.model), *config.data, *config.eval_data, *config.ood_data]
+        return self.layout.claim(config.to_dict(), force, inputs, RUN_MODEL_COPIES * model_bytes(config.model))
 
     @cached_property
     def _loaded_original(self):
@@ -116,7 +125,7 @@ class Run:
         return self._loaded_original[1]
 
     @cached_property
-    def train_documents(self) -> list[str]:
+    def train_documents(self) -> Corpus:
         return load_documents(self.config.data)
 
     @cached_property
@@ -169,12 +178,14 @@ def resolve(run: Run) -> dict:
     """Fetch the model, and check before any long work that it takes the mixer and that the
     evaluation texts are long enough."""
     directory = resolve_model(run.config.model)
+    check_model_folder(directory)
     config = AutoConfig.from_pretrained(directory)
     check_architecture(config)
     check_window_fits(config, run.config.mixer_config())
+    check_replaces_some(run.config.beta, config.num_hidden_layers * config.num_key_value_heads)
     needed = evaluation_tokens(run.task_settings())
     for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
-        tokens = len(tokenize_documents(run.tokenizer, load_documents(paths)))
+        tokens = count_tokens(run.tokenizer, load_documents(paths), limit=needed)
         if tokens < needed:
             raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
     return {"directory": str(directory)}
@@ -260,6 +271,7 @@ def evaluate(run: Run) -> dict:
             results[key][name] = task.measure(model.eval(), run.tokenizer, options, original=run.original)
         del model
         release_freed_memory()
+    require_finite(results, "evaluation")  # never a NaN written as a result
     write_json_atomic(run.layout.evaluation, results)
     return {"evaluations": list(results), "baseline_window": window}
 

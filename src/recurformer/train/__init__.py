@@ -2,7 +2,8 @@
 and the `lm` stage (end-to-end next-token loss, optional distillation)."""
 
 from .lm import LMObjective
-from .loop import CHECKPOINT, TrainConfig, TrainingDiverged, has_checkpoint, seconds_per_step, train
+from .loop import (CHECKPOINT, TrainConfig, TrainingDiverged, check_checkpoint, has_checkpoint, made_by_train,
+                   seconds_per_step, train)
 from .stage import needs_teacher, objective_for, train_stage
 from .transfer import TransferObjective
 
@@ -12,7 +13,9 @@ __all__ = [
     "TrainConfig",
     "TrainingDiverged",
     "TransferObjective",
+    "check_checkpoint",
     "has_checkpoint",
+    "made_by_train",
     "needs_teacher",
     "objective_for",
     "seconds_per_step",

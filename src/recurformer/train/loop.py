@@ -29,9 +29,15 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..checks import DamagedFileError, check_pickle, check_safetensors, read_json_object
 from ..config import ConfigError, option, require
 from ..errors import RecurformerError
-from ..files import replace_directory, write_json_atomic
+from ..files import replace_directory, write_json_atomic, write_text_atomic
+
+try:  # the numpy types of accelerate's RNG states, which its own loader allows (accelerate >= 1.3)
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+except ImportError:
+    TORCH_SAFE_GLOBALS = []
 
 STAGES = ("transfer", "lm")
 TRAINABLE_SETS = ("mixers", "mixers+lora", "tail", "all")
@@ -250,9 +256,7 @@ def train(
     checkpoint = out_dir / CHECKPOINT
     start_step, elapsed_before = 0, 0.0
     if resume:
-        if not has_checkpoint(out_dir):
-            raise ConfigError(f"--resume: no checkpoint in {out_dir}")
-        state = json.loads((checkpoint / STATE).read_text())
+        state = check_checkpoint(checkpoint)
         if state["config"] != config.to_dict():
             changed = sorted(k for k in state["config"] if state["config"][k] != config.to_dict().get(k))
             raise ConfigError(f"--resume: the checkpoint was made with other settings ({', '.join(changed)})")
@@ -262,6 +266,7 @@ def train(
         out_dir.mkdir(parents=True, exist_ok=True)
         _truncate_log(out_dir / LOG, start_step)
 
+    saved = start_step  # the step of the checkpoint on disk (0: none)
     tokens_per_step = config.batch_size * config.seq_len
     bar = tqdm(total=total, initial=start_step, desc=f"train {config.stage}", unit="step",
                disable=not (progress and accelerator.is_main_process))
@@ -287,10 +292,13 @@ def train(
             for k, v in extra.items():
                 metrics[k] = metrics.get(k, 0.0) + v / config.grad_accum
         step_loss = accelerator.reduce(step_loss, reduction="mean")
-        if not torch.isfinite(step_loss):
-            kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "no checkpoint was written yet"
-            raise TrainingDiverged(f"loss became {step_loss.item()} at step {step}; stopped, {kept}")
         grad_norm = accelerator.clip_grad_norm_(module.parameters(), config.clip)
+        # a NaN loss, or a NaN gradient that would make the weights (and the next checkpoint) NaN
+        for name, value in (("loss", step_loss), ("gradient norm", grad_norm)):
+            if not torch.isfinite(torch.as_tensor(value)):
+                kept = (f"the last good checkpoint, to resume from, is {checkpoint} (step {saved})" if saved
+                        else "no checkpoint was written yet")
+                raise TrainingDiverged(f"{name} became {float(value)} at step {step}; stopped, {kept}")
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -310,6 +318,7 @@ def train(
         bar.update(1)
         if done % config.checkpoint_every == 0 or done == total:
             _save_checkpoint(accelerator, checkpoint, {"step": done, "elapsed": elapsed, "config": config.to_dict()})
+            saved = done
     bar.close()
 
     summary = {
@@ -326,6 +335,32 @@ def train(
     return summary
 
 
+def made_by_train(out_dir: str | Path) -> bool:
+    """Whether `out_dir` holds a training stage's log or checkpoint: a folder that `train`
+    made before output folders carried a marker (`outputs.MARKER`)."""
+    out_dir = Path(out_dir)
+    return (out_dir / LOG).is_file() or has_checkpoint(out_dir)
+
+
+def check_checkpoint(checkpoint: Path) -> dict:
+    """The training state of the checkpoint folder `checkpoint`, after checking every file
+    that resuming reads: `trainer_state.json`, the model's safetensors header, and the
+    optimizer, scheduler and RNG pickles through torch's weights-only unpickler (a pickle
+    that is not plain tensors is refused without running it)."""
+    if not has_checkpoint(checkpoint.parent):
+        raise ConfigError(f"--resume: no checkpoint in {checkpoint.parent}")
+    state = read_json_object(checkpoint / STATE, "training state")
+    if not (isinstance(state.get("step"), int) and isinstance(state.get("elapsed"), (int, float))
+            and isinstance(state.get("config"), dict)):
+        raise DamagedFileError(f"training state {checkpoint / STATE}: lacks step, elapsed or config")
+    for path in sorted(checkpoint.iterdir()):
+        if path.suffix == ".safetensors":
+            check_safetensors(path)
+        elif path.suffix in (".bin", ".pkl", ".pt"):
+            check_pickle(path, TORCH_SAFE_GLOBALS)
+    return state
+
+
 def _save_checkpoint(accelerator: Accelerator, checkpoint: Path, state: dict) -> None:
     """Write the checkpoint beside the old one, then swap: an interruption keeps the old."""
     staging = checkpoint.with_name(f".{checkpoint.name}.partial")
@@ -340,11 +375,23 @@ def _save_checkpoint(accelerator: Accelerator, checkpoint: Path, state: dict) ->
 
 
 def _truncate_log(path: Path, step: int) -> None:
-    """Keep the log lines up to `step` (a resumed run rewrites what came after)."""
+    """Keep the log lines up to `step` (a resumed run rewrites what came after). A last line
+    cut short by an interruption is a step after the checkpoint's, and goes too; a damaged
+    line before it is an error naming the log."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in lines))
+    lines = [line for line in path.read_text().splitlines() if line]
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise DamagedFileError(f"training log {path}: line {number} is not valid JSON") from None
+        if record.get("step", step + 1) <= step:
+            kept.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _last_logged_loss(path: Path) -> float:
