@@ -17,7 +17,7 @@ from .generation import prefilled_answer
 from .registry import Task, register
 
 HAYSTACK_CORPORA = ("wikitext-2-raw-test.txt",)  # held-out text: never trained on
-BEST_FORMAT = "plain"  # the best of FORMATS on SmolLM2-135M-Instruct (docs/results/ruler-prompts.md)
+BEST_FORMAT = "oneshot"  # the best of FORMATS on SmolLM2-135M-Instruct (docs/results/ruler-prompts.md)
 
 
 def check_tasks(text: str) -> str:
