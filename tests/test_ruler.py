@@ -124,6 +124,14 @@ def test_unknown_tasks_and_short_texts_are_named(tokenizer, sources):
         generate_ruler(tokenizer, short, ("niah_single_2",), 1000, 1)
     with pytest.raises(ValueError, match="no room"):
         generate_ruler(tokenizer, sources, ("niah_single_2",), 60, 1)
+    with pytest.raises(ValueError, match="no room"):  # the example does not fit half the prompt
+        generate_ruler(tokenizer, sources, ("niah_multikey_1",), 150, 1, fmt="oneshot")
+
+
+def test_a_short_prompts_example_takes_a_larger_share(tokenizer, sources):
+    problem, = generate_ruler(tokenizer, sources, ("niah_multikey_1",), 700, 1, fmt="oneshot")
+    example, haystack = problem.context.split(TASKS["niah_multikey_1"].instruction)[1:]  # example first
+    assert size(tokenizer, problem) <= 700 and problem.answers[0] in haystack and "are" in example
 
 
 def test_the_task_answers_every_problem_and_reports_every_task(tmp_path):
@@ -131,7 +139,7 @@ def test_the_task_answers_every_problem_and_reports_every_task(tmp_path):
     data.write_text(TEXT)
     task, _ = lookup_task("ruler")
     options = make_options(task, {"data": [str(data)], "context": 480, "tasks": "niah_single_1,niah_single_2",
-                                  "problems": 2})
+                                  "problems": 2, "format": "plain"})
     result = task.evaluate(tiny_model("llama"), tiny_tokenizer(alphabet=ASCII), options)
     assert set(result["tasks"]) == {"niah_single_1", "niah_single_2"} and all(t["n"] == 2 for t in result["tasks"].values())
     assert len(result["records"]) == 4 and all(0.0 <= r["score"] <= 1.0 for r in result["records"])
@@ -142,7 +150,7 @@ def test_the_task_answers_every_problem_and_reports_every_task(tmp_path):
     (["--context", "600"], "longer than the model allows"),
     (["--tasks", "niah_single_1,nope"], "unknown RULER task 'nope'"),
     (["--problems", "0"], "--problems must be >= 1"),
-    (["--context", "480", "--tasks", "niah_single_2", "--data", "{short}"], "too short"),
+    (["--context", "480", "--tasks", "niah_single_2", "--format", "plain", "--data", "{short}"], "too short"),
 ])
 def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, capsys, flags, message):
     model = save_tiny_model(tmp_path / "model")
@@ -171,7 +179,8 @@ def test_options_are_checked_up_front(tmp_path):
     data.write_text("Too short. Nothing to hide in.\n")
     with pytest.raises(DataError, match="too short"):
         task.evaluate(tiny_model("llama"), tiny_tokenizer(alphabet=ASCII),
-                      make_options(task, {"data": [str(data)], "context": 480, "tasks": "niah_single_2"}))
+                      make_options(task, {"data": [str(data)], "context": 480, "tasks": "niah_single_2",
+                                           "format": "plain"}))
 
 
 def test_the_result_file_is_written(tmp_path, capsys):
@@ -180,6 +189,6 @@ def test_the_result_file_is_written(tmp_path, capsys):
     data.write_text(TEXT)
     out = tmp_path / "out.json"
     main(["eval", str(model), "--task", "ruler", "--data", str(data), "--context", "480", "--tasks", "niah_single_2",
-          "--problems", "1", "--out", str(out)])
+          "--problems", "1", "--format", "plain", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["task"] == "ruler" and result["tasks"]["niah_single_2"]["n"] == 1

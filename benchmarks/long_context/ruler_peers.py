@@ -107,7 +107,7 @@ class Rows:
         if kind == "conversion":
             mixer = model.config.mixer
             return model, (f"{mixer['kind']} (window {mixer['window']} + {mixer['sinks']} sinks, state "
-                           f"{mixer.get('ssd_state')}), beta {beta:.2f}, trained: `{self.folders[budget]}`"), \
+                           f"{mixer.get('ssd_state')}), beta {beta:.2f}: `{self.folders[budget]}`"), \
                 self.budget_bytes(budget, context), None
         if kind == "window":
             row, window = window_baseline(self.original, model, self.equal_window(budget))

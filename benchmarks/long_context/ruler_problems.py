@@ -3,7 +3,7 @@
 kvpress's (`benchmarks/peers/kvpress_eval.py --ruler`, another virtual environment that cannot
 import recurformer).
 
-- RULER: our `ruler` task's problems (`tasks/ruler.py`, the format of
+- RULER: our `ruler` task's problems (`tasks/ruler.py`, the format `--format`, default
   `recurformer.evaluate.ruler.BEST_FORMAT`, held-out WikiText-2 haystacks, seed 0), `--problems`
   per task at `--context` tokens;
 - passkey: our `passkey` task's problems (`tasks/passkey.py`, its best format) in the same held-out
@@ -32,7 +32,7 @@ from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
 from recurformer.tasks.passkey import FORMATS as PASSKEY_FORMATS
 from recurformer.tasks.passkey import generate_passkey
-from recurformer.tasks.ruler import TASKS, parse_tasks
+from recurformer.tasks.ruler import FORMATS, TASKS, parse_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("RECURFORMER_DATA", ROOT.parent / "shared" / "data"))
@@ -71,12 +71,13 @@ def main() -> None:
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--passkey-problems", type=int, default=2, help="passkey problems per depth and context")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", default=BEST_FORMAT, choices=FORMATS, help="the RULER prompt format")
     args = parser.parse_args()
     model, tokenizer, _ = load_model(args.model, progress=False)
     tasks = parse_tasks(args.tasks)
     ruler = []
     for problem in ruler_problems(tokenizer, [str(HAYSTACK)], tasks, args.context, args.problems, args.seed,
-                                  BEST_FORMAT):
+                                  args.format):
         context, question = problem_ids(tokenizer, problem)
         ruler.append({"kind": "ruler", "task": problem.task, "context": args.context, "depth": None,
                       "answers": list(problem.answers), "ids": context + question, "question_start": len(context),
@@ -85,7 +86,7 @@ def main() -> None:
     contexts = tuple(int(c) for c in args.passkey_contexts.split(",") if c)
     depths = tuple(float(d) for d in args.depths.split(","))
     problems = {
-        "schema": SCHEMA, "model": args.model, "ruler_format": BEST_FORMAT, "passkey_format": PASSKEY_FORMAT,
+        "schema": SCHEMA, "model": args.model, "ruler_format": args.format, "passkey_format": PASSKEY_FORMAT,
         "haystack": HAYSTACK.name, "seed": args.seed, "eos": sorted(eos_ids(model, tokenizer)),
         "tasks": list(tasks), "problems": ruler + passkey_problems(tokenizer, haystack, contexts, depths,
                                                                    args.passkey_problems, args.seed),

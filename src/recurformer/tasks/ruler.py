@@ -35,8 +35,8 @@ the answer lengths (`max_new_tokens`) are each task's answer plus a margin.
 Formats (`FORMATS`), searched on the original model by `benchmarks/long_context/ruler_prompts.py`:
 `plain` is RULER's template as plain text; `chat` puts instruction, haystack and question in
 the user turn of the tokenizer's chat template and starts the assistant's turn with the
-answer's start; `oneshot` puts a solved example of the same task (a haystack an eighth of the
-prompt's size, other keys) before the plain prompt.
+answer's start; `oneshot` puts a solved example of the same task (other keys, the example an eighth of the
+prompt, a quarter or a half if the task does not fit) before the plain prompt.
 """
 
 from __future__ import annotations
@@ -50,7 +50,11 @@ from dataclasses import dataclass, replace
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 FORMATS = ("plain", "chat", "oneshot")
-EXAMPLE_SHARE = 8  # `oneshot`'s solved example is at most 1/8 of the prompt
+EXAMPLE_SHARE = 8  # `oneshot`'s solved example is 1/8 of the prompt, or 1/4 or 1/2 if that is too small
+
+
+class NoRoom(ValueError):
+    """The prompt's budget does not leave room for a haystack."""
 
 
 @dataclass(frozen=True)
@@ -380,7 +384,7 @@ def generate_ruler(tokenizer, sources: Sources, task_names: tuple[str, ...], tok
         n = _fit(lambda k: size(*render(fmt, tokenizer, task, draw, task.haystack(draw, k, sources), example)),
                  budget, most)
         if n == 0:
-            raise ValueError(f"a {budget}-token prompt leaves no room for a {task.__class__.__name__} haystack")
+            raise NoRoom(f"a {budget}-token prompt leaves no room for a {name} haystack")
         if n == most < budget:  # the text, not the budget, bounded the haystack
             raise ValueError(f"the haystack text is too short for a {budget:,}-token {name} prompt "
                              f"({len(sources.sentences):,} sentences, {len(sources.words):,} distinct words)")
@@ -392,10 +396,15 @@ def generate_ruler(tokenizer, sources: Sources, task_names: tuple[str, ...], tok
         for index in range(problems):
             rng = random.Random(f"ruler-{seed}-{name}-{tokens}-{index}")
             draw = task.draw(rng, sources)
-            example = ""
-            if fmt == "oneshot":
-                shot = task.draw(random.Random(f"ruler-example-{seed}-{name}-{tokens}-{index}"), sources)
-                example = solved(shot, *build(task, name, shot, tokens // EXAMPLE_SHARE))
+            example, share = "", EXAMPLE_SHARE
+            shot = task.draw(random.Random(f"ruler-example-{seed}-{name}-{tokens}-{index}"), sources)
+            while fmt == "oneshot" and not example:
+                try:
+                    example = solved(shot, *build(task, name, shot, tokens // share))
+                except NoRoom:
+                    if share == 2:
+                        raise
+                    share //= 2
             context, question = build(task, name, draw, tokens, example)
             out.append(RulerProblem(name, context, question, draw.answers, task.max_new_tokens, tokens))
     return out
