@@ -212,9 +212,16 @@ def main() -> None:
     original, tokenizer, _ = load_model(problems["model"], progress=False)
     builder = Rows(original, budgets, args.ablation_scores, args.compose_base)
     budget_record = {name: {"model": folder, "beta": beta_of(builder.models[name]),
+                            "groups": sorted(map(list, builder.models[name].config.replacement["groups"])),
                             "bytes": {str(c): builder.budget_bytes(name, c)
                                       for c in sorted({p["context"] for _, p in chosen})}}
                      for name, folder in budgets.items()}
+    for name, record in load_results(out, problems["digest"]).get("budgets", {}).items():
+        new = budget_record.get(name)
+        changed = any(record["bytes"].get(c, size) != size for c, size in (new or {}).get("bytes", {}).items())
+        if new and (changed or new["groups"] != record.get("groups", new["groups"])):
+            raise SystemExit(f"error: --budget {name}={new['model']}: its bytes or groups differ from those of "
+                             f"{record['model']}, at which {out}'s rows were made; use another --out")
     eos, stop = set(problems["eos"]), ends_answer(tokenizer)
     for name, kind, budget in rows:
         row = load_results(out, problems["digest"])["rows"].get(name, {"budget": budget, "kind": kind, "labels": {},
