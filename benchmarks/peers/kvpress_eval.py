@@ -22,6 +22,17 @@ cache bytes of our row named by `--match` (e.g. `window64-b0.5`). Rows already i
 kept, not recomputed.
 
     /work/peers-venv/bin/python benchmarks/peers/kvpress_eval.py --match window64-b0.5,window64-b0.75
+
+`--ruler PROBLEMS` measures the retrieval comparison instead ("Retrieval at equal cache bytes"):
+the problem set of `benchmarks/peers/ruler_problems.py` (RULER at 4K, passkey at 1K/2K/4K),
+each press at each budget of our rows' file (`--ours`, `ruler_peers.py`'s: a budget's bytes at
+each context length C), its ratio set at each C so that it keeps those bytes of a C-token
+context; answers as `ruler_peers.py` answers (context prefilled with the press on, question
+uncompressed, greedy until an EOS id of the problem set, a blank line or the problem's
+`max_new_tokens`); rows and problems already in `--out` are kept, so a run resumes.
+
+    /work/peers-venv/bin/python benchmarks/peers/kvpress_eval.py --ruler runs/ruler-problems.json \
+        --budgets 0.5,0.25 --presses expected-attention,snapkv,kvzip,tova,knorm
 """
 
 from __future__ import annotations
@@ -30,23 +41,27 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import transformers
-from kvpress import ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress
+from kvpress import ExpectedAttentionPress, KnormPress, KVzipPress, SnapKVPress, StreamingLLMPress, TOVAPress
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "docs" / "results" / "long-context"
 SCHEMA = "recurformer-long-context-rows/1"
+RULER_SCHEMA = "recurformer-ruler-rows/1"
 PRESSES = {  # name -> (label, press class); every press with its defaults but the ratio
     "snapkv": ("SnapKV", SnapKVPress),
     "expected-attention": ("ExpectedAttention", ExpectedAttentionPress),
     "knorm": ("Knorm", KnormPress),
     "streaming-llm": ("StreamingLLM", StreamingLLMPress),
+    "kvzip": ("KVzip", KVzipPress),
+    "tova": ("TOVA", TOVAPress),
 }
 BYTES_TOKENS = 8192
 ANSWER_TOKENS = 8
@@ -119,6 +134,75 @@ def measure(model, tokenizer, press, problems: dict) -> dict:
     return {"cache": cache_sizes(cache), "loss": loss, "passkey": passkey}
 
 
+@torch.no_grad()
+def ruler_answer(model, tokenizer, press, ids: list[int], question_start: int, max_new_tokens: int,
+                 eos: set[int]) -> tuple[list[int], DynamicCache]:
+    """Prefill the context with the press on, feed the question at its positions, then greedy
+    tokens until an `eos` id, a blank line or `max_new_tokens` (`ruler_peers.py`'s rule); the
+    answer's ids and the cache after the prefill's compression."""
+    cache = DynamicCache()
+    with press(model):
+        model.model(input_ids=torch.tensor(ids[:question_start])[None], past_key_values=cache)
+    sizes = cache_sizes(cache)
+    position, step, answer = question_start, torch.tensor(ids[question_start:])[None], []
+    while len(answer) < max_new_tokens:
+        positions = torch.arange(position, position + step.shape[1])[None]
+        logits = model(input_ids=step, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())
+        if token in eos:
+            break
+        answer.append(token)
+        if "\n\n" in tokenizer.decode(answer, skip_special_tokens=True).strip():
+            break
+        position += step.shape[1]
+        step = torch.tensor([[token]])
+    return answer, sizes
+
+
+def measure_ruler(model, tokenizer, args) -> None:
+    """Every press at every budget of our rows on the RULER/passkey problem set (module docstring)."""
+    problems = read_json(Path(args.ruler), "problem set")
+    ours = read_json(Path(args.ours), "our rows")
+    if ours.get("problems") != problems["digest"]:
+        raise SystemExit(f"error: {args.ours} was made on problem set {ours.get('problems')}, not {problems['digest']}")
+    per_token = bytes_per_token(model)
+    eos = set(problems["eos"])
+    out = Path(args.out)
+    for budget in (name for name in args.budgets.split(",") if name):
+        if budget not in ours.get("budgets", {}):
+            raise SystemExit(f"error: --budgets {budget}: not a budget of {args.ours} ({', '.join(ours.get('budgets', {}))})")
+        for name in (n for n in args.presses.split(",") if n):
+            label, press_class = PRESSES[name]
+            row_name = f"{name}@{budget}"
+            results = read_json(out, "results") if out.exists() else {"schema": RULER_SCHEMA,
+                                                                      "problems": problems["digest"], "rows": {}}
+            if results.get("problems") != problems["digest"]:
+                raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+            row = results["rows"].get(row_name, {"budget": budget, "kind": name, "labels": {}, "cache": {},
+                                                 "completions": {}, "seconds": 0.0})
+            todo = [(i, p) for i, p in enumerate(problems["problems"]) if str(i) not in row["completions"]]
+            print(f"{row_name}: {len(todo)} problems to answer", flush=True)
+            for index, problem in todo:
+                context = problem["context"]
+                ratio = 1 - ours["budgets"][budget]["bytes"][str(context)] / (per_token * context)
+                start = time.time()
+                answer, sizes = ruler_answer(model, tokenizer, press_class(compression_ratio=ratio), problem["ids"],
+                                             problem["question_start"], problem["max_new_tokens"], eos)
+                row["seconds"] += time.time() - start
+                row["labels"][str(context)] = f"kvpress {label}, compression {ratio:.3f} at {context:,} tokens"
+                # kvpress keeps a fraction of the context: its bytes at C tokens are the ratio's share of C
+                row["cache"][str(context)] = round(per_token * context * (1 - ratio))
+                row["completions"][str(index)] = tokenizer.decode(answer, skip_special_tokens=True)
+                row.setdefault("measured", {})[str(index)] = sizes["kv_bytes"]
+                latest = read_json(out, "results") if out.exists() else results
+                latest["rows"][row_name] = row
+                latest["versions"] = {n: version(n) for n in ("kvpress", "transformers", "torch")}
+                write_json_atomic(out, latest)
+                print(f"  {problem['task']} @ {context}: {row['completions'][str(index)]!r} "
+                      f"(expected {problem['answers']}) {time.time() - start:.0f}s", flush=True)
+    print(f"wrote {out}")
+
+
 def bytes_per_token(model) -> int:
     """K/V bytes one token costs in an uncompressed cache: every layer's keys and values."""
     config = model.config
@@ -147,11 +231,14 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", default=str(ROOT / "runs" / "long-context-problems.json"))
-    parser.add_argument("--ours", default=str(RESULTS / "peers-ours.json"), help="our rows (the bytes to match)")
+    parser.add_argument("--ours", help="our rows (the bytes to match); default: peers-ours.json (ruler-ours.json "
+                        "with --ruler)")
     parser.add_argument("--match", default="window64-b0.5,window64-b0.75", help="our rows whose cache bytes to match")
     parser.add_argument("--presses", default="snapkv,expected-attention,knorm", help=", ".join(PRESSES))
     parser.add_argument("--model", default="/root/.cache/recurformer/models/smollm2-135m", help="a HF model folder")
-    parser.add_argument("--out", default=str(RESULTS / "peers-kvpress.json"))
+    parser.add_argument("--out", help="default: peers-kvpress.json (ruler-kvpress.json with --ruler)")
+    parser.add_argument("--ruler", metavar="PROBLEMS", help="the retrieval problem set (module docstring)")
+    parser.add_argument("--budgets", default="0.5,0.25", help="with --ruler: budgets of --ours")
     args = parser.parse_args()
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -159,6 +246,13 @@ def main() -> None:
     unknown = [name for name in presses if name not in PRESSES]
     if unknown:
         raise SystemExit(f"error: --presses: unknown {unknown}; choose from {', '.join(PRESSES)}")
+    if args.ruler:
+        args.ours = args.ours or str(RESULTS / "ruler-ours.json")
+        args.out = args.out or str(RESULTS / "ruler-kvpress.json")
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        measure_ruler(model, AutoTokenizer.from_pretrained(args.model), args)
+        return
+    args.ours, args.out = args.ours or str(RESULTS / "peers-ours.json"), args.out or str(RESULTS / "peers-kvpress.json")
     problems = read_json(Path(args.problems), "problem set")
     ours = read_json(Path(args.ours), "our rows")
     if ours.get("problems") != problems["digest"]:

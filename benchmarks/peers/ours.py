@@ -17,8 +17,10 @@ Rows (`--rows`): `original`; `window64-b<beta>` (our training-free `window` mixe
 recency scores); `window-eqwm2-b<beta>` (its window sized to the bytes of a `window+mamba2`
 model); `streaming-b<beta>` (StreamingLLM: every KV group windowed, beta 1.0, window sized to the
 bytes of `window64-b<beta>`); `duo-b<beta>` (DuoAttention-style: the `ablation` scorer keeps the
-retrieval groups, the others windowed 64 + 4 sinks); and trained models given as
-`--model NAME=DIR`. Rows already in `--out` are kept, not recomputed.
+retrieval groups, the others windowed 64 + 4 sinks); trained models given as
+`--model NAME=DIR`; and, for each `--rival NAME` of those, `NAME-rival`: the training-free
+`window` on that model's groups at its cache bytes (`recurformer.equal_cache.window_baseline`).
+Rows already in `--out` are kept, not recomputed.
 
     python -m benchmarks.peers.ours --rows original,window64-b0.5,streaming-b0.5 \\
         --model wm2-b0.5-trained=/work/runs/wm2-b05-s40-16/final
@@ -39,7 +41,7 @@ from torch import Tensor
 from recurformer import HeadScores, MixerConfig, convert, make_scorer, select_heads
 from recurformer.bench import cache_bytes, new_cache
 from recurformer.cache import CACHE_ARGUMENT
-from recurformer.equal_cache import equal_cache_window
+from recurformer.equal_cache import equal_cache_window, window_baseline
 from recurformer.evaluate.logits import chunked_logits
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_any, load_model
@@ -202,6 +204,8 @@ def main() -> None:
     parser.add_argument("--problems", default=str(ROOT / "runs" / "long-context-problems.json"))
     parser.add_argument("--rows", default="", help="comma-separated training-free rows (module docstring)")
     parser.add_argument("--model", action="append", default=[], metavar="NAME=DIR", help="a converted model folder")
+    parser.add_argument("--rival", action="append", default=[], metavar="NAME",
+                        help="also the window at equal bytes on the groups of --model NAME")
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--ablation-scores", default=str(RESULTS / "smollm2-135m-ablation-2048-scores.json"))
     parser.add_argument("--out", default=str(RESULTS / "long-context" / "peers-ours.json"))
@@ -218,7 +222,10 @@ def main() -> None:
             raise SystemExit(f"error: --model {directory}: not a model folder (no config.json)")
     original, tokenizer, _ = load_model(problems["model"], progress=False)
     names = [name for name in args.rows.split(",") if name]
-    for name in names + list(models):
+    unknown = [name for name in args.rival if name not in models]
+    if unknown:
+        raise SystemExit(f"error: --rival {unknown[0]}: no --model of that name")
+    for name in names + list(models) + [f"{name}-rival" for name in args.rival]:
         if name in results["rows"]:
             print(f"{name}: already in {out}, kept", flush=True)
             continue
@@ -228,6 +235,10 @@ def main() -> None:
         elif name in models:
             model, _ = load_any(models[name])
             record = {"label": trained_label(model, models[name]), "folder": models[name]}
+        elif name.endswith("-rival"):
+            model, window = window_baseline(original, load_any(models[name.removesuffix("-rival")])[0])
+            record = {"label": f"window {window} + {SINKS} sinks on the groups of `{name.removesuffix('-rival')}`, "
+                      "at its bytes, no training", "window": window, "sinks": SINKS}
         else:
             row = variant(name, original, args.scores, args.ablation_scores)
             model = row.build(original)

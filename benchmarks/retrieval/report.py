@@ -10,11 +10,12 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt  # noqa: E402  (after recurformer.report, which selects the headless backend)
 import matplotlib.ticker  # noqa: E402
-from benchmarks.retrieval.design import EVAL_SEED, Study, Unit
 
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.report import plot_head_heatmap, save_figure
 from recurformer.scoring import HeadScores, make_scorer, select_heads, uniform_recency_ratio
+
+from benchmarks.retrieval.design import EVAL_SEED, Study, Unit
 
 
 def collect(study: Study, units: list[Unit]) -> dict:

@@ -35,8 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-from benchmarks.retrieval.design import EVAL_SEED, PARTS, Study, Unit, Variant, check_work_dir, data_seed, plan
-from benchmarks.retrieval.report import write_report
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -52,6 +50,8 @@ from recurformer.tasks import align_predictions
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, train
 
 from benchmarks.common import ROOT
+from benchmarks.retrieval.design import EVAL_SEED, PARTS, Study, Unit, Variant, check_work_dir, data_seed, plan
+from benchmarks.retrieval.report import write_report
 
 
 # ---------------------------------------------------------------------------- units

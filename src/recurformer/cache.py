@@ -98,6 +98,17 @@ class HybridLayer(DynamicLayer):
             self.tokens = max(0, self.tokens - abs(tokens_to_remove))
             self._view()
 
+    def keep_tokens(self, index: Tensor) -> None:
+        """Keep in each kept head only its tokens at `index` `[B, kept_kv_heads, n]`, and count
+        `n` tokens: a token-eviction press acting on the kept heads after a prefill
+        (`benchmarks/long_context/kept_press.py`). The mixer state is not touched; the tokens
+        that follow must be given their positions (`position_ids`)."""
+        gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self._key_buffer = self.keys.gather(2, gather).contiguous()
+        self._value_buffer = self.values.gather(2, gather).contiguous()
+        self.tokens = index.shape[-1]
+        self._view()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes row `beam_idx[i]`, in the same buffers and state tensors."""
         tensors = [*(self.mixer_state or {}).values()]

@@ -1,9 +1,14 @@
-"""Greedy completions of text prompts, batched with left padding (the generation tasks)."""
+"""Greedy completions of text prompts: batched with left padding (`greedy_completions`), or
+one prompt at a time, its context prefilled first (`prefilled_answer`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm.auto import tqdm
+
+from ..cache import CACHE_ARGUMENT
 
 
 @torch.no_grad()
@@ -25,3 +30,36 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         completions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return completions
+
+
+@torch.no_grad()
+def prefilled_answer(model, context: list[int], question: list[int], max_new_tokens: int, eos: set[int],
+                     cache=None, compress: Callable[[object, int], None] | None = None,
+                     stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """Greedy answer ids after a prefill, as kvpress's pipeline answers (batch 1).
+
+    Prefill `context` into `cache` (None: the one the model makes), call `compress(cache,
+    len(context))` if given (a cache compression acts here, on the context only), feed
+    `question` at its positions after the context, then greedy tokens, at positions that
+    continue the context's whatever the cache now holds, until an `eos` id (not returned),
+    `stop(ids)` or `max_new_tokens`."""
+    model.eval()
+    arguments = {} if cache is None else {CACHE_ARGUMENT: cache}
+    out = model(input_ids=torch.tensor([context]), use_cache=True, logits_to_keep=1, **arguments)
+    cache = out[CACHE_ARGUMENT] if cache is None else cache
+    if compress is not None:
+        compress(cache, len(context))
+    position, step, answer = len(context), torch.tensor([question]), []
+    while len(answer) < max_new_tokens:
+        positions = torch.arange(position, position + step.shape[1])[None]
+        logits = model(input_ids=step, **{CACHE_ARGUMENT: cache}, position_ids=positions, use_cache=True,
+                       logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())
+        if token in eos:
+            break
+        answer.append(token)
+        if stop is not None and stop(answer):
+            break
+        position += step.shape[1]
+        step = torch.tensor([[token]])
+    return answer

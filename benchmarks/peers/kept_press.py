@@ -1,0 +1,143 @@
+"""kvpress's scorers on the kept heads of a converted model: the composition of our conversion
+with a token-eviction press (docs/results/long-context.md, "Retrieval at equal cache bytes").
+
+kvpress (its own environment, `benchmarks/peers/`) hooks Hugging Face attention modules; our
+`HybridAttention` is not one, so the presses' scores are computed here again, from kvpress
+0.5.5's description and source (read, not copied), for the kept heads only:
+
+- `knorm`: the negated L2 norm of each key;
+- `snapkv`: the attention of the context's last 64 queries (RoPE applied) to the earlier keys,
+  averaged over those queries, smoothed by a 5-wide average pool, averaged over the group's query
+  heads; the last 64 tokens are always kept;
+- `tova`: the attention of the context's last query, averaged over all query heads of the layer
+  (one score per token for every group); the last token is always kept;
+- `expected-attention`: the attention that the mean and covariance of the context's queries
+  (pre-RoPE, sinks excluded), rotated by the average RoPE of the next 512 positions, would pay
+  to each key, softmaxed over the keys, averaged over the group, times the value's norm; the 4
+  first tokens are always kept.
+
+A press acts after the prefill of the context (kvpress compresses each layer right after it
+ran, which is the same: a layer's prefill output does not depend on what its cache keeps
+afterwards): every layer's kept heads keep the `int(L * keep)` best-scored of the context's
+`L` tokens, each head its own; the replaced heads' mixer state is not touched.
+`tests/test_ruler_peers.py` checks each scorer against kvpress's formulas on a tiny model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from recurformer.attention import HybridAttention
+
+PRESSES = ("knorm", "snapkv", "tova", "expected-attention")
+SNAP_WINDOW, SNAP_KERNEL = 64, 5
+FUTURE_POSITIONS, SINKS = 512, 4
+
+
+def queries(module: HybridAttention, hidden: Tensor) -> Tensor:
+    """Pre-RoPE queries `[B, Hq_kept, T, D]` of the kept heads for `hidden` `[B, T, hidden]`."""
+    batch, length = hidden.shape[:2]
+    return module.q_proj(hidden).view(batch, length, -1, module.head_dim).transpose(1, 2)
+
+
+def window_attention(module: HybridAttention, hidden: Tensor, keys: Tensor, window: int, cos: Tensor,
+                     sin: Tensor) -> Tensor:
+    """Attention `[B, Hq_kept, window, T - window]` of the last `window` queries to the keys
+    before them (causal inside the window, softmax over all keys)."""
+    q = queries(module, hidden[:, -window:])
+    q, _ = apply_rotary_pos_emb(q, q, cos[:, -window:], sin[:, -window:])
+    expanded = keys.repeat_interleave(module.num_key_value_groups, dim=1)
+    logits = q @ expanded.transpose(2, 3) / math.sqrt(module.head_dim)
+    length = keys.shape[2]
+    logits = logits + torch.full_like(logits, float("-inf")).triu(length - window + 1)
+    return logits.softmax(dim=-1)[..., :-window]
+
+
+def average_rope(rotary, mu: Tensor, start: int, count: int) -> Tensor:
+    """The rotation `[D, D]` that RoPE applies, averaged over positions `start ... start + count - 1`."""
+    cos, sin = rotary(mu, torch.arange(start, start + count)[None])
+    cos, sin = cos[0], sin[0]  # [count, D]
+    dim = cos.shape[-1]
+    swap = torch.zeros(dim, dim)
+    swap[dim // 2:, :dim // 2], swap[:dim // 2, dim // 2:] = torch.eye(dim // 2), -torch.eye(dim // 2)
+    return (cos[:, None] * torch.eye(dim) + sin[:, None] * swap).mean(dim=0)
+
+
+def score(press: str, module: HybridAttention, hidden: Tensor, keys: Tensor, values: Tensor,
+          position_embeddings: tuple[Tensor, Tensor], rotary) -> Tensor:
+    """Scores `[B, Hkv_kept, T]` of the kept heads' keys/values `[B, Hkv_kept, T, D]` (higher: keep)."""
+    batch, heads, length, dim = keys.shape
+    groups = module.num_key_value_groups
+    if press == "knorm":
+        return -keys.norm(dim=-1)
+    if press in ("snapkv", "tova"):
+        window = SNAP_WINDOW if press == "snapkv" else 1
+        weights = window_attention(module, hidden, keys, window, *position_embeddings).mean(dim=-2)
+        if press == "snapkv":
+            weights = F.avg_pool1d(weights, kernel_size=SNAP_KERNEL, padding=SNAP_KERNEL // 2, stride=1)
+            scores = weights.view(batch, heads, groups, length - window).mean(dim=2)
+        else:
+            scores = weights.mean(dim=1, keepdim=True).expand(batch, heads, length - window)
+        return F.pad(scores, (0, window), value=scores.max().item() + 1)
+    if press == "expected-attention":
+        q = queries(module, hidden[:, SINKS:])
+        mu = q.mean(dim=2, keepdim=True)
+        centered = q - mu
+        cov = torch.einsum("bnsi,bnsj->bnij", centered, centered) / q.shape[2]
+        rotation = average_rope(rotary, mu, length, FUTURE_POSITIONS)
+        mu, cov = mu.squeeze(2) @ rotation.T, rotation @ cov @ rotation.T
+        k = keys[:, :, SINKS:].repeat_interleave(groups, dim=1).transpose(2, 3)  # [B, Hq, D, T - sinks]
+        logits = (mu[:, :, None] @ k).squeeze(2) / math.sqrt(dim)
+        logits = logits + torch.einsum("bhin,bhij,bhjn->bhn", k, cov, k) / dim / 2
+        scores = logits.softmax(dim=-1).view(batch, heads, groups, length - SINKS).mean(dim=2)
+        scores = scores * values[:, :, SINKS:].norm(dim=-1)
+        return F.pad(scores, (SINKS, 0), value=scores.max().item() + 1)
+    raise ValueError(f"unknown press {press!r}; choose from {', '.join(PRESSES)}")
+
+
+class KeptPress:
+    """A press on the kept heads of a converted model: remembers each attention layer's last
+    input (the prefill's, when called right after it) and compresses its cache."""
+
+    def __init__(self, model, press: str, keep: float) -> None:
+        if press not in PRESSES:
+            raise ValueError(f"unknown press {press!r}; choose from {', '.join(PRESSES)}")
+        if not 0 < keep <= 1:
+            raise ValueError(f"keep must be in (0, 1], got {keep}")
+        self.press, self.keep = press, keep
+        self.rotary = model.get_decoder().rotary_emb
+        self.inputs: dict[int, tuple[Tensor, tuple[Tensor, Tensor]]] = {}
+        self.modules = model.hybrid_attentions()
+        self.hooks = [m.register_forward_pre_hook(self._remember, with_kwargs=True) for m in self.modules]
+
+    def remove(self) -> None:
+        """Unhook from the model."""
+        for hook in self.hooks:
+            hook.remove()
+        self.inputs.clear()
+
+    def _remember(self, module, args, kwargs) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.inputs[module.layer_idx] = (hidden, kwargs["position_embeddings"])
+
+    @torch.no_grad()
+    def __call__(self, cache, length: int) -> None:
+        """Keep `int(length * keep)` tokens of every kept head in `cache` (a `HybridCache` just
+        prefilled with `length` tokens)."""
+        kept = int(length * self.keep)
+        for module in self.modules:
+            layer = cache.layers[module.layer_idx]
+            if module.has_attention:
+                hidden, position_embeddings = self.inputs[module.layer_idx]
+                scores = score(self.press, module, hidden, layer.keys, layer.values, position_embeddings,
+                               self.rotary)
+                index = scores.topk(kept, dim=-1).indices.sort(dim=-1).values
+            else:  # no K/V to choose from, but every layer counts `kept` tokens: the attention mask's past length
+                index = torch.zeros(layer.keys.shape[0], 0, kept, dtype=torch.long)
+            layer.keep_tokens(index)
+        self.inputs.clear()

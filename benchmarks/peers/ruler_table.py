@@ -1,0 +1,201 @@
+"""The retrieval tables of docs/results/long-context.md ("Retrieval at equal cache bytes"), from our
+rows (`ruler_peers.py`) and kvpress's (`benchmarks/peers/kvpress_eval.py --ruler`), and the plot
+of RULER-4K score against cache fraction per method.
+
+Every completion is scored here, RULER problems by RULER's string match (`score_ruler`),
+passkey problems by our task's rule (`parse_key`), so all rows are scored alike. The
+*headline* is the mean over the tasks where the original scores at least 30%. The tables
+replace the part of `--doc` between `<!-- ruler-tables:begin -->` and `<!-- ruler-tables:end -->`.
+
+    python -m benchmarks.peers.ruler_table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recurformer.errors import RecurformerError
+from recurformer.files import atomic_file, write_text_atomic
+from recurformer.tasks.passkey import parse_key
+from recurformer.tasks.ruler import score_ruler
+
+from benchmarks.common import RESULTS as ALL_RESULTS
+
+RESULTS = ALL_RESULTS / "long-context"
+SCHEMA = "recurformer-ruler-rows/1"
+HEADLINE_FLOOR = 30.0  # a task enters the headline when the original scores at least this
+BEGIN, END = "<!-- ruler-tables:begin -->", "<!-- ruler-tables:end -->"
+KIND_NAMES = {"original": "original", "conversion": "our conversion (trained)", "window": "our `window`, no training",
+              "duo": "DuoAttention-style", "streaming": "StreamingLLM", "expected-attention": "kvpress ExpectedAttention",
+              "snapkv": "kvpress SnapKV", "kvzip": "kvpress KVzip", "tova": "kvpress TOVA", "knorm": "kvpress Knorm"}
+
+
+class TableError(RecurformerError):
+    """A results file is missing, malformed, or not comparable with the other."""
+
+
+def load(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise TableError(f"{what} file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise TableError(f"{what} file {path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("rows"), dict):
+        raise TableError(f"{what} file {path} is not a {SCHEMA} file")
+    return data
+
+
+def kind_name(kind: str) -> str:
+    """The method's name in the plot's legend."""
+    if kind.startswith("compose-"):
+        return f"our conversion + {KIND_NAMES[kind.removeprefix('compose-')]} on the kept heads"
+    return KIND_NAMES.get(kind, kind)
+
+
+def scores(row: dict, index: list[dict]) -> dict[int, float]:
+    """Problem index -> score in [0, 1] of each answered problem."""
+    out = {}
+    for key, completion in row["completions"].items():
+        problem = index[int(key)]
+        out[int(key)] = (score_ruler(completion, problem["answers"]) if problem["kind"] == "ruler"
+                         else float(parse_key(completion) == problem["answers"][0]))
+    return out
+
+
+def ruler_scores(row: dict, index: list[dict], tasks: list[str]) -> dict[str, float] | None:
+    """Task -> score (0-100) over its problems; None unless every RULER problem is answered."""
+    got = scores(row, index)
+    wanted = [i for i, p in enumerate(index) if p["kind"] == "ruler"]
+    if not wanted or any(i not in got for i in wanted):
+        return None
+    return {t: 100 * sum(got[i] for i in wanted if index[i]["task"] == t) /
+            sum(1 for i in wanted if index[i]["task"] == t) for t in tasks}
+
+
+def ordered(rows: dict) -> list[str]:
+    """The original first, then the budgets, largest first, each in the order of `KIND_NAMES`
+    (the compositions last)."""
+    kinds = list(KIND_NAMES)
+
+    def key(name: str):
+        row = rows[name]
+        if row["budget"] is None:
+            return (0, 0.0, 0, name)
+        return (1, -float(row["budget"]), kinds.index(row["kind"]) if row["kind"] in kinds else len(kinds), name)
+
+    return sorted(rows, key=key)
+
+
+def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
+    """The Markdown tables and the points of the plot {method: [(fraction, headline)]}."""
+    if peers is not None and peers.get("problems") != ours.get("problems"):
+        raise TableError(f"our rows and the peer rows were made on different problem sets "
+                         f"({ours.get('problems')} and {peers.get('problems')})")
+    index, tasks = ours["index"], ours["tasks"]
+    rows = {**ours["rows"], **(peers or {}).get("rows", {})}
+    for name, row in rows.items():
+        row.setdefault("kind", "original" if name == "original" else name.split("@")[0])
+    if "original" not in rows:
+        raise TableError("our rows have no 'original' row, the reference of every ratio")
+    original = ruler_scores(rows["original"], index, tasks)
+    if original is None:
+        raise TableError("the original has not answered every RULER problem yet")
+    headline_tasks = [t for t in tasks if original[t] >= HEADLINE_FLOOR]
+    ruler_context = next(str(p["context"]) for p in index if p["kind"] == "ruler")
+    full = rows["original"]["cache"][ruler_context]
+    per_task = {t: sum(1 for p in index if p["kind"] == "ruler" and p["task"] == t) for t in tasks}
+
+    def headline(values: dict[str, float]) -> float:
+        return sum(values[t] for t in headline_tasks) / len(headline_tasks)
+
+    lines = [f"RULER at {int(ruler_context):,} tokens, {per_task[tasks[0]]} problems per task, score 0-100 "
+             f"(RULER's string match). **Headline**: the mean over the tasks where the original scores at least "
+             f"{HEADLINE_FLOOR:.0f} ({', '.join(headline_tasks)}: one problem is at most "
+             f"{100 / len(headline_tasks) / min(per_task[t] for t in headline_tasks):.1f} points of it); *all*: the "
+             "mean over every task. *cache*: the row's bytes at this length over the original's.", "",
+             "| row | method | cache | " + " | ".join(tasks) + " | all | **headline** | vs original |",
+             "|---|---|---|" + "---|" * (len(tasks) + 3)]
+    points: dict[str, list[tuple[float, float]]] = {}
+    for name in ordered(rows):
+        row = rows[name]
+        values = ruler_scores(row, index, tasks)
+        if values is None:
+            continue
+        fraction = row["cache"][ruler_context] / full
+        top = headline(values)
+        points.setdefault(kind_name(row["kind"]), []).append((fraction, top))
+        lines.append(f"| `{name}` | {row['labels'].get(ruler_context, '')} | {fraction:.3f} | "
+                     + " | ".join(f"{values[t]:.0f}" for t in tasks)
+                     + f" | {sum(values.values()) / len(tasks):.1f} | **{top:.1f}** | "
+                     f"{top / headline(original):.0%} |")
+    passkey = [i for i, p in enumerate(index) if p["kind"] == "passkey"]
+    cells = sorted({(index[i]["context"], index[i]["depth"]) for i in passkey})
+    contexts = sorted({c for c, _ in cells})
+    lines += ["", "Passkey at equal bytes at each length (found / problems; depth: the fraction of the haystack "
+              "before the key). *cache*: the row's bytes over the original's at each length.", "",
+              "| row | " + " | ".join(f"{c:,} @ {d}" for c, d in cells) + " | " +
+              " | ".join(f"cache {c:,}" for c in contexts) + " |",
+              "|---|" + "---|" * (len(cells) + len(contexts))]
+    for name in ordered(rows):
+        row = rows[name]
+        got = scores(row, index)
+        if not passkey or any(i not in got for i in passkey):
+            continue
+        found = [f"{sum(got[i] for i in passkey if (index[i]['context'], index[i]['depth']) == cell):.0f}/"
+                 f"{sum(1 for i in passkey if (index[i]['context'], index[i]['depth']) == cell)}" for cell in cells]
+        lines.append(f"| `{name}` | " + " | ".join(found) + " | " +
+                     " | ".join(f"{row['cache'][str(c)] / rows['original']['cache'][str(c)]:.3f}" for c in contexts)
+                     + " |")
+    return "\n".join(lines) + "\n", points
+
+
+def plot(points: dict[str, list[tuple[float, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for method, values in sorted(points.items()):
+        values = sorted(values)
+        axes.plot([x for x, _ in values], [y for _, y in values], marker="o", label=method)
+    axes.set_xlabel("cache bytes at 4K tokens / the original's")
+    axes.set_ylabel("RULER-4K headline (0-100)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    with atomic_file(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=120)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ours", default=str(RESULTS / "ruler-ours.json"))
+    parser.add_argument("--peers", default=str(RESULTS / "ruler-kvpress.json"))
+    parser.add_argument("--doc", default=str(ALL_RESULTS / "long-context.md"))
+    parser.add_argument("--plot", default=str(RESULTS / "ruler-4k.png"))
+    args = parser.parse_args()
+    try:
+        ours = load(Path(args.ours), "our rows")
+        peers = load(Path(args.peers), "peer rows") if Path(args.peers).exists() else None
+        tables, points = render(ours, peers)
+        doc = Path(args.doc).read_text()
+        if doc.count(BEGIN) != 1 or doc.count(END) != 1:
+            raise TableError(f"{args.doc} needs one {BEGIN} and one {END} line")
+    except RecurformerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    head, rest = doc.split(BEGIN)
+    write_text_atomic(args.doc, head + BEGIN + "\n" + tables + END + rest.split(END, 1)[1])
+    plot(points, Path(args.plot))
+    print(tables, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

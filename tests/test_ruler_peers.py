@@ -1,0 +1,163 @@
+"""The retrieval comparison at equal bytes (`benchmarks/long_context/`) on tiny random models: a
+prefilled answer is `generate`'s; the kept-head presses score as the model attends and keep
+what they say; the table scores and ranks rows as documented."""
+
+import json
+
+import pytest
+import torch
+from benchmark_scripts import benchmark_script
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from recurformer import convert
+from recurformer.cache import HybridCache
+from recurformer.evaluate.generation import prefilled_answer
+
+
+@pytest.fixture(scope="module")
+def press():
+    with benchmark_script("peers.kept_press") as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def table():
+    with benchmark_script("peers.ruler_table") as module:
+        yield module
+
+
+def ids(length: int, seed: int = 1) -> list[int]:
+    return torch.randint(1, 97, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["original", "window+mamba2"])
+def test_a_prefilled_answer_is_generates_greedy_answer(kind):
+    original = tiny_model("llama")
+    model = original if kind == "original" else open_gates(convert(original, spec_for(original, 0.5), MIXERS[kind]))
+    context, question = ids(45), ids(5, seed=2)
+    answer = prefilled_answer(model, context, question, 6, eos=set())
+    generated = model.generate(torch.tensor([context + question]), max_new_tokens=6, do_sample=False,
+                               pad_token_id=0)[0, 50:].tolist()
+    assert answer == generated
+    assert prefilled_answer(model, context, question, 6, eos={generated[0]}) == []  # EOS ends it, unreturned
+    assert prefilled_answer(model, context, question, 6, eos={(generated[0] + 1) % 97}) == generated
+    assert prefilled_answer(model, context, question, 6, eos=set(), stop=lambda a: len(a) == 4) == generated[:4]
+
+
+def kept_everything(original):
+    """A conversion that replaces no group: every layer a HybridAttention with all heads kept."""
+    return convert(original, spec_for(original, 0.0), MIXERS["window"])
+
+
+def prefill(model, context):
+    cache = HybridCache(model.config.text_config.num_hidden_layers)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_window_scores_are_the_models_own_attention(press, name):
+    """SnapKV and TOVA score keys by the attention the context's last queries pay them: the same
+    weights the model computes (eager attention, weights returned), pooled as the press pools."""
+    original = tiny_model("llama", attn_implementation="eager")
+    model = kept_everything(original)
+    hook = press.KeptPress(model, name, 1.0)
+    context = ids(90)
+    prefill(model, context)
+    with torch.no_grad():
+        attentions = original(torch.tensor([context]), output_attentions=True).attentions
+    window = press.SNAP_WINDOW if name == "snapkv" else 1
+    for module in model.hybrid_attentions():
+        hidden, embeddings = hook.inputs[module.layer_idx]
+        keys = module.k_proj(hidden).view(1, 90, -1, module.head_dim).transpose(1, 2)
+        keys, _ = apply_rotary_pos_emb(keys, keys, *embeddings)
+        scores = press.score(name, module, hidden, keys, keys, embeddings, hook.rotary)
+        weights = attentions[module.layer_idx][:, :, -window:, :-window].mean(dim=-2)  # [1, Hq, T - window]
+        if name == "snapkv":
+            weights = torch.nn.functional.avg_pool1d(weights, 5, padding=2, stride=1)
+            expected = weights.view(1, keys.shape[1], -1, 90 - window).mean(dim=2)
+        else:
+            expected = weights.mean(dim=1, keepdim=True).expand(1, keys.shape[1], 90 - window)
+        torch.testing.assert_close(scores[..., :-window], expected, atol=1e-5, rtol=1e-4)
+        assert bool((scores[..., -window:] > scores[..., :-window].max()).all())
+
+
+def test_the_average_rope_is_the_mean_rotation(press):
+    original = tiny_model("llama")
+    rotary = original.get_decoder().rotary_emb
+    vector = torch.randn(1, 1, 1, 12)  # [B, H, T, D]: the llama tiny model's head_dim
+    rotation = press.average_rope(rotary, vector, 30, 7)
+    positions = torch.arange(30, 37)[None]
+    cos, sin = rotary(vector, positions)
+    rotated, _ = apply_rotary_pos_emb(vector.expand(1, 1, 7, 12), vector.expand(1, 1, 7, 12), cos, sin)
+    torch.testing.assert_close(vector[0, 0] @ rotation.T, rotated[0, 0].mean(dim=0, keepdim=True), atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv", "tova", "expected-attention"])
+def test_a_press_keeps_its_best_scored_tokens_and_leaves_the_mixer_state(press, name):
+    original = tiny_model("llama")
+    model = open_gates(convert(original, spec_for(original, 0.5), MIXERS["window+mamba2"]))
+    hook = press.KeptPress(model, name, 0.5)
+    context = ids(90)
+    cache = prefill(model, context)
+    before = [(layer.keys.clone(), layer.values.clone(), {k: v.clone() for k, v in (layer.mixer_state or {}).items()})
+              for layer in cache.layers]
+    inputs = dict(hook.inputs)
+    hook(cache, len(context))
+    for module in model.hybrid_attentions():
+        layer = cache.layers[module.layer_idx]
+        keys, values, state = before[module.layer_idx]
+        assert layer.get_seq_length() == 45 and layer.keys.shape[2] == 45
+        assert all(torch.equal(layer.mixer_state[k], v) for k, v in state.items())
+        if module.has_attention:
+            hidden, embeddings = inputs[module.layer_idx]
+            scores = press.score(name, module, hidden, keys, values, embeddings, hook.rotary)
+            best = scores.topk(45, dim=-1).indices.sort(dim=-1).values[..., None].expand(-1, -1, -1, keys.shape[-1])
+            assert torch.equal(layer.keys, keys.gather(2, best)) and torch.equal(layer.values, values.gather(2, best))
+    hook.remove()
+    answer = prefilled_answer(model, context, ids(4, seed=3), 3, eos=set(), compress=press.KeptPress(model, name, 1.0))
+    assert answer == prefilled_answer(model, context, ids(4, seed=3), 3, eos=set())
+
+
+def test_the_table_scores_ranks_and_picks_the_headline_tasks(table, tmp_path):
+    index = [{"kind": "ruler", "task": t, "context": 4096, "depth": None, "answers": a}
+             for t, a in [("easy", ["111"]), ("easy", ["222"]), ("hard", ["333", "444"]), ("hard", ["555", "666"])]]
+    index += [{"kind": "passkey", "task": "passkey", "context": c, "depth": 0.5, "answers": ["12345"]}
+              for c in (1024, 4096)]
+
+    def row(budget, kind, completions, cache):
+        return {"budget": budget, "kind": kind, "labels": {"4096": kind}, "cache": cache,
+                "completions": dict(enumerate(completions)), "seconds": 1.0}
+
+    full = {"1024": 100, "4096": 400}
+    ours = {"schema": table.SCHEMA, "problems": "abc", "index": index, "tasks": ["easy", "hard"], "rows": {
+        "original": row(None, "original", ["111", "222", "333", "nothing", "12345", "12345"], full),
+        "window@0.5": row("0.5", "window", ["111", "x", "333 444", "555", "12345", "no"], {"1024": 60, "4096": 210}),
+    }}
+    peers = {"schema": table.SCHEMA, "problems": "abc", "rows": {
+        "snapkv@0.5": row("0.5", "snapkv", ["x", "x", "x", "x", "x", "x"], {"1024": 60, "4096": 210})}}
+    for data in (ours, peers):
+        for r in data["rows"].values():
+            r["completions"] = {str(k): v for k, v in r["completions"].items()}
+    text, points = table.render(ours, peers)
+    # original: easy 100, hard (0.5 + 0) / 2 = 25 -> only `easy` is a headline task
+    assert "(easy: one problem is at most 50.0 points" in text
+    lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert lines[0].startswith("| `original` | original | 1.000 | 100 | 25 | 62.5 | **100.0** | 100% |")
+    assert lines[1].startswith("| `window@0.5` | window | 0.525 | 50 | 75 | 62.5 | **50.0** | 50% |")
+    assert lines[2].startswith("| `snapkv@0.5` | snapkv | 0.525 | 0 | 0 | 0.0 | **0.0** | 0% |")
+    assert "| `window@0.5` | 1/1 | 0/1 | 0.600 | 0.525 |" in text
+    assert points["our `window`, no training"] == [(0.525, 50.0)]
+    peers["problems"] = "other"
+    with pytest.raises(table.TableError, match="different problem sets"):
+        table.render(ours, peers)
+    del ours["rows"]["original"]["completions"]["0"]
+    with pytest.raises(table.TableError, match="has not answered"):
+        table.render(ours, None)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(table.TableError, match="is not a"):
+        table.load(bad, "our rows")
