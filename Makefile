@@ -37,7 +37,7 @@ demo: install
 	RECURFORMER_DATA=$(DATA) $(BIN)/recurformer run --model smollm2-135m --out runs/demo $(ARGS)
 
 bench: install
-	$(BIN)/python benchmarks/scan.py
+	$(BIN)/python -m benchmarks.speed.bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -34,9 +34,9 @@ SHARED = ("model", "scorer", "seed", "quick", "transfer_steps", "transfer_tokens
           "ppl_tokens", "ppl_original", "bench_context")
 GROUP = ("beta", "ppl_context")  # one table per value; ppl_context is None in runs of an older version
 COLUMNS = ("params_ratio", "ppl_converted", "ppl_transfer", "ppl_final", "ppl_ratio", "ppl_ood_ratio",
-           "ppl_far_final_ratio", "passkey_final", "passkey_4k_final", "agreement_top1_final", "hashhop_final",
+           "ppl_far_final_ratio", "ruler_final", "agreement_top1_final", "hashhop_final",
            "mqar_final", "cache_ratio", "transfer_s_per_step", "lm_s_per_step", "baseline_window", "ppl_baseline_ratio",
-           "ppl_ood_baseline_ratio", "ppl_far_baseline_ratio", "passkey_4k_baseline")
+           "ppl_ood_baseline_ratio", "ppl_far_baseline_ratio", "ruler_baseline")
 # metrics.json written before the rates were recorded: every mixer trained at these
 LEGACY_LR = (5e-3, 1e-3)
 

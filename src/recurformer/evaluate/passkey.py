@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, option, require
 from ..data import DataError, load_documents, shared_corpora, tokenize_documents
-from ..metrics import BASELINE, Metric, Row, per_model
 from ..tasks.passkey import FORMATS, generate_passkey, score_passkey
 from .generation import greedy_completions
-from .registry import RunSettings, Task, register
+from .registry import Task, register
 
 HAYSTACK_CORPORA = ("tinyshakespeare.txt",)
 BEST_FORMAT = "oneshot"  # the best of FORMATS on SmolLM2-135M-Instruct (docs/results/passkey-prompts.md)
@@ -67,40 +66,7 @@ def evaluate(model, tokenizer, options: PasskeyOptions) -> dict:
                             seed=options.seed, fmt=options.format, batch_size=options.batch_size)
 
 
-def run_options(settings: RunSettings) -> dict[str, PasskeyOptions]:
-    """At 1K (`passkey`) and 4K (`passkey-4k`) tokens, three depths; the haystack is the
-    held-out text (any real text serves; it is only read)."""
-    if settings.quick:
-        return {"passkey": PasskeyOptions(data=settings.eval_data, context=256, depths=(0.5,), problems=1,
-                                          seed=settings.seed),
-                "passkey-4k": PasskeyOptions(data=settings.eval_data, context=384, depths=(0.5,), problems=1,
-                                             seed=settings.seed)}
-    depths = (0.1, 0.5, 0.9)
-    return {"passkey": PasskeyOptions(data=settings.eval_data, context=1024, depths=depths, problems=3,
-                                      seed=settings.seed),
-            "passkey-4k": PasskeyOptions(data=settings.eval_data, context=4096, depths=depths, problems=2,
-                                         seed=settings.seed)}
-
-
-RUN_MODELS = ("original", "final", BASELINE)
-
-
-def passkey_metrics(key: str, label: str) -> tuple[Metric, ...]:
-    """The metrics of the evaluation `key` (`passkey`, `passkey-4k`), named `<key with _>_*`."""
-    name = key.replace("-", "_")
-    return (
-        *per_model(key, "accuracy", f"passkey exact match at {label}", RUN_MODELS, fmt="{:.0%}", better="higher",
-                   key=name),
-        Metric(f"{name}_problems", f"passkey problems at {label}", lambda r: r.result(key, "original")["n"]),
-        Metric(f"{name}_context", f"passkey prompt tokens at {label}",
-               lambda r: r.result(key, "original")["context"], "{:,}", unit="tokens"),
-    )
-
-
 register(Task(
     name="passkey", summary="a 5-digit key hidden in real text, greedy generation, exact match (docs/tasks.md)",
-    options=PasskeyOptions, evaluate=evaluate, report_order=15, run_options=run_options, run_models=RUN_MODELS,
-    metrics=(*passkey_metrics("passkey", "1K"), *passkey_metrics("passkey-4k", "4K")),
-    rows=tuple(Row(f"passkey in held-out text, exact match ({{{k}_problems}} problems, {{{k}_context}} tokens)",
-                   f"{k}_original", f"{k}_final", None, baseline=f"{k}_baseline") for k in ("passkey", "passkey_4k")),
+    options=PasskeyOptions, evaluate=evaluate, report_order=15,
 ))
