@@ -1,10 +1,10 @@
 """Windowed attention in PyTorch, block by block: the `torch` backend.
 
-Queries go in blocks of `window`. A query at step t of a row whose real tokens are
-consecutive sees, among the call's tokens, only steps (t - window, t] and the row's first
-`sinks` real tokens, so a block of queries [t0, t1) needs the past, those sink tokens and
-steps [t0 - window + 1, t1): SDPA over at most `S + sinks + 2 window - 1` keys, never the
-`[T, T]` score matrix. Rows whose padding is not all on the left are first reordered
+Queries go in blocks of `window` steps (at least 64: fewer, larger ops for short windows).
+A query at step t of a row whose real tokens are consecutive sees, among the call's
+tokens, only steps (t - window, t] and the row's first `sinks` real tokens, so a block of
+queries [t0, t1) needs the past, those sink tokens and steps [t0 - window + 1, t1): SDPA over at most `S + sinks + window + block - 1` keys, never
+the `[T, T]` score matrix. Rows whose padding is not all on the left are first reordered
 (padding first, real tokens in order), which changes no position, and put back after.
 Autograd gives the backward pass; the arithmetic is SDPA's, in the inputs' dtype.
 """
@@ -17,6 +17,8 @@ from torch import Tensor
 
 from .naive import Past, token_positions, visible
 
+_MIN_BLOCK = 64
+
 
 def window_attention_blockwise(
     q: Tensor,
@@ -28,7 +30,7 @@ def window_attention_blockwise(
     mask: Tensor | None = None,
     past: Past | None = None,
 ) -> Tensor:
-    """Windowed attention in blocks of `window` queries; signature and results as
+    """Windowed attention in blocks of `max(window, 64)` queries; signature and results as
     `window_attention_naive` (q `[B, T, H, D]`, k and v `[B, T, G, D]` -> `[B, T, H, D]`)."""
     batch, length, heads, dim = q.shape
     scale = dim**-0.5 if scale is None else scale
@@ -40,8 +42,9 @@ def window_attention_blockwise(
     position = token_positions(mask, None if past is None else past[2], batch, length, q.device)
     fixed = _fixed_keys(k, v, position, sinks, past)  # the past and the call's sink tokens
     outputs = []
-    for start in range(0, length, window):
-        end, first = min(length, start + window), max(0, start - window + 1)
+    block = max(window, _MIN_BLOCK)
+    for start in range(0, length, block):
+        end, first = min(length, start + block), max(0, start - window + 1)
         keys, values, key_position = [k[:, first:end]], [v[:, first:end]], [position[:, first:end]]
         if fixed is not None:
             fixed_keys, fixed_values, fixed_position, fixed_step = fixed
