@@ -3,9 +3,10 @@
 Queries go in blocks of `window` steps (at least 64: fewer, larger ops for short windows).
 A query at step t of a row whose real tokens are consecutive sees, among the call's
 tokens, only steps (t - window, t] and the row's first `sinks` real tokens, so a block of
-queries [t0, t1) needs the past, those sink tokens and steps [t0 - window + 1, t1): SDPA over at most `S + sinks + window + block - 1` keys, never
-the `[T, T]` score matrix. Rows whose padding is not all on the left are first reordered
-(padding first, real tokens in order), which changes no position, and put back after.
+queries [t0, t1) needs the past, those sink tokens and steps [t0 - window + 1, t1): SDPA
+over at most `S + sinks + window + block - 1` keys, never the `[T, T]` score matrix. Rows
+whose padding is not all on the left are first reordered (padding first, real tokens in
+order), which changes no position, and put back after.
 Autograd gives the backward pass; the arithmetic is SDPA's, in the inputs' dtype.
 """
 
