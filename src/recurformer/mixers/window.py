@@ -133,14 +133,19 @@ class WindowMixer(Mixer):
         `sinks` and its last `window`) into their slots, in place: these have distinct slots,
         so the buffer ends as if every token had been written in turn."""
         index = state["index"]
-        position = self._positions(index, attention_mask, *k.shape[:2])
+        batch, length = k.shape[:2]
+        position = self._positions(index, attention_mask, batch, length)
         seen = torch.maximum(index.max(dim=-1).values, position.max(dim=-1).values) + 1  # [B]
         keep = (position >= 0) & ((position < self.sinks) | (position >= seen[:, None] - self.window))
         rows, steps = keep.nonzero(as_tuple=True)
-        slot = self._slots(position[rows, steps])
-        state["keys"].index_put_((rows, slot), k[rows, steps].to(state["keys"].dtype))
-        state["values"].index_put_((rows, slot), v[rows, steps].to(state["values"].dtype))
-        index.index_put_((rows, slot), position[rows, steps])
+        # Rows of flattened views: `k[rows, steps]` (advanced indexing) takes ~3 ms at T = 8K.
+        source = rows * length + steps
+        target = rows * index.shape[1] + self._slots(position[rows, steps])
+        for name, tensor in (("keys", k), ("values", v)):
+            buffer = state[name]
+            rows_of = tensor.reshape(batch * length, *tensor.shape[2:]).index_select(0, source)
+            buffer.view(-1, *buffer.shape[2:]).index_copy_(0, target, rows_of.to(buffer.dtype))
+        index.view(-1).index_copy_(0, target, position.flatten().index_select(0, source))
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, written into its ring slot in place, then attending over the buffer;
