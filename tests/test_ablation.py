@@ -13,8 +13,6 @@ from recurformer.ablation import (
     AblationConfig,
     calibration_sequences,
     measure_ablation,
-    window_attention,
-    window_mask,
 )
 from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
 from recurformer.data import DataError
@@ -174,21 +172,6 @@ def test_too_little_calibration_text_says_how_many_tokens_it_needs():
     with pytest.raises(DataError, match=r"needs 2 x 96 = 192 tokens of calibration text, the data has \d+") as error:
         calibration_sequences(tiny_tokenizer(), ["a few words only"], SETTINGS, model.config)
     assert "\n" not in str(error.value)
-
-
-@pytest.mark.parametrize("length", [1, 63, 257])
-@pytest.mark.parametrize("window, sinks", [(16, 2), (1, 0), (300, 4)])
-def test_window_attention_is_attention_under_the_window_mask(length, window, sinks):
-    generator = torch.Generator().manual_seed(length)
-    query, key, value = (torch.randn(2, 3, length, 8, generator=generator) for _ in range(3))
-    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=window_mask(length, window, sinks), scale=0.4)
-    torch.testing.assert_close(window_attention(query, key, value, window, sinks, 0.4), expected)
-
-
-def test_window_mask_matches_the_window_mixer_rule():
-    mask = window_mask(10, 3, 2)
-    assert mask[7].tolist() == [True, True, False, False, False, True, True, True, False, False]
-    assert mask[1].tolist() == [True, True] + [False] * 8
 
 
 def scores_with_costs(model, costs):

@@ -28,7 +28,7 @@ The model is never converted. One pass (with `S_r` windowed) stores every layer'
 hidden states; scoring a group of layer `l` reruns only layers `l..L-1` from there. The
 groups of one layer (and all sequences) go through together as batch rows: row `b` also
 windows group `groups[b // N]`, the attention function registered as `ABLATION_ATTENTION`
-windows just those query heads, in blocks of `window` queries (`window_attention`). Each
+windows just those query heads (with `ops.window`, the window mixer's own kernel). Each
 finished layer of a round can be written to a checkpoint file, so that an interrupted run
 resumes where it stopped.
 """
@@ -52,6 +52,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from .config import ConfigError, MixerConfig, groups_to_replace, option, require
 from .data import DataError, check_length, count_tokens, token_sequences
 from .files import write_json_atomic
+from .ops.window import window_attention
 from .surgery import model_fingerprint
 
 ABLATION_ATTENTION = "recurformer_group_ablation"
@@ -112,32 +113,6 @@ def calibration_sequences(tokenizer, documents: list[str], config: AblationConfi
     return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
 
 
-def window_mask(length: int, window: int, sinks: int, device=None) -> Tensor:
-    """`[T, T]` bool, True where query i may see key j: j <= i and (i - j < window or j < sinks)."""
-    i = torch.arange(length, device=device)[:, None]
-    j = torch.arange(length, device=device)[None]
-    return (j <= i) & ((i - j < window) | (j < sinks))
-
-
-def window_attention(query: Tensor, key: Tensor, value: Tensor, window: int, sinks: int, scaling: float) -> Tensor:
-    """Softmax attention under `window_mask`: query, key, value `[B, H, T, D]` -> `[B, H, T, D]`.
-
-    Queries go in blocks of `window`; a block sees at most its sinks and the `2 * window - 1`
-    keys ending at its last query, so the work grows with `T * window`, not `T^2`.
-    """
-    length = query.shape[2]
-    outputs = []
-    for start in range(0, length, window):
-        end = min(length, start + window)
-        first = max(0, start - window + 1)
-        keys = torch.cat([torch.arange(min(sinks, first)), torch.arange(first, end)]).to(query.device)
-        i, j = torch.arange(start, end, device=query.device)[:, None], keys[None]
-        mask = (j <= i) & ((i - j < window) | (j < sinks))
-        outputs.append(F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, keys], value[:, :, keys],
-                                                      attn_mask=mask, scale=scaling))
-    return torch.cat(outputs, dim=2)
-
-
 @dataclass(frozen=True)
 class _Windowing:
     """Which groups the attention function windows: `fixed` `[layers, kv_heads]` bool in every
@@ -164,16 +139,20 @@ def _ablation_attention(module, query, key, value, attention_mask, scaling, drop
     """Causal attention, with the groups `_windowing` names cut to the window.
 
     query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
-    Sequences are packed text without padding, so the mask is plain causal.
+    Sequences are packed text without padding, so the mask is plain causal. The windowed
+    (row, group) pairs go through `ops.window` together, as a batch of single-group rows.
     """
     size = module.num_key_value_groups
-    key, value = repeat_kv(key, size), repeat_kv(value, size)
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    out = F.scaled_dot_product_attention(query, repeat_kv(key, size), repeat_kv(value, size), is_causal=True,
+                                         scale=scaling)
     if _windowing is not None:
         windowed = _windowing.rows(module.layer_idx, query.shape[0]).to(query.device)  # [B, Hkv]
-        if windowed.any():
-            cut = window_attention(query, key, value, _windowing.window, _windowing.sinks, scaling)
-            out = torch.where(windowed.repeat_interleave(size, dim=1)[:, :, None, None], cut, out)
+        rows, groups = windowed.nonzero(as_tuple=True)
+        if len(rows):
+            q = query.unflatten(1, (-1, size))[rows, groups].transpose(1, 2)  # [n, T, size, D]
+            k, v = key[rows, groups][:, :, None], value[rows, groups][:, :, None]  # [n, T, 1, D]
+            cut = window_attention(q, k, v, _windowing.window, _windowing.sinks, scaling)
+            out = out.unflatten(1, (-1, size)).index_put((rows, groups), cut.transpose(1, 2)).flatten(1, 2)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..config import MixerConfig
+from ..ops.window import token_positions, window_attention
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
 
 
@@ -96,10 +97,20 @@ class WindowMixer(Mixer):
     def _positions(index: Tensor, attention_mask: Tensor | None, batch: int, length: int) -> Tensor:
         """Sequence positions `[B, T]` of the new tokens (-1 for padding), continuing after the
         real tokens the buffer's `index` `[B, S]` has seen."""
-        real = (torch.ones(batch, length, dtype=torch.bool, device=index.device) if attention_mask is None
-                else attention_mask.bool())
-        seen = index.max(dim=-1).values + 1  # real tokens before these, [B]
-        return torch.where(real, seen[:, None] + real.cumsum(dim=1) - 1, -1)
+        return token_positions(attention_mask, index, batch, length, index.device)
+
+    def _project_tokens(self, x: Tensor, position_embeddings: PositionEmbeddings | None) -> tuple[Tensor, Tensor, Tensor]:
+        """x `[B, T, d_in]` -> q `[B, T, H, D]`, k and v `[B, T, G, D]` (the layout the
+        attention kernels read, no transposes), RoPE applied to q and k."""
+        if position_embeddings is None:
+            raise ValueError("the window mixer needs position_embeddings=(cos, sin): it applies RoPE as the heads it replaces did")
+        batch, length = x.shape[:2]
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        return q, k, v
 
     def forward(
         self,
@@ -108,49 +119,35 @@ class WindowMixer(Mixer):
         attention_mask: Tensor | None = None,
         position_embeddings: PositionEmbeddings | None = None,
     ) -> Tensor:
+        """The windowed attention of the whole sequence in one call (`ops/window`: compiled
+        when the kernels are built), over the buffer's tokens too when `state` is given;
+        then the tokens that stay in the window are written into the buffer."""
         batch, length = x.shape[:2]
-        q, k, v = self._project(x, position_embeddings)
-        buffer = state if state is not None else self.allocate_state(batch, k.dtype, x.device)
-        keys, values, index = buffer["keys"], buffer["values"], buffer["index"]
-        position = self._positions(index, attention_mask, batch, length)
-        # Blocks of at most `window` steps: the buffer then always holds every earlier token
-        # a query of the block may see, and a block's tokens never share a ring slot.
-        outputs = []
-        for start in range(0, length, self.window):
-            block = slice(start, min(length, start + self.window))
-            out, keys, values, index = self._block(q[:, :, block], k[:, block], v[:, block], position[:, block], keys, values, index)
-            outputs.append(out)
+        q, k, v = self._project_tokens(x, position_embeddings)
+        past = None if state is None else (state["keys"], state["values"], state["index"])
+        out = window_attention(q, k, v, self.window, self.sinks, self.scaling, attention_mask, past)
         if state is not None:
-            state["keys"].copy_(keys)
-            state["values"].copy_(values)
-            state["index"].copy_(index)
-        return torch.cat(outputs, dim=2).transpose(1, 2).reshape(batch, length, self.d_out)
+            self._remember(k, v, attention_mask, state)
+        return out.reshape(batch, length, self.d_out)
 
-    def _block(
-        self, q: Tensor, k: Tensor, v: Tensor, position: Tensor, keys: Tensor, values: Tensor, index: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Attend q `[B, H, L, D]` over the buffer and the block's k, v `[B, L, G, D]`, then
-        write the block into the buffer (out of place, so autograd sees every version).
-        Returns the output `[B, H, L, D]` and the new keys, values and index."""
-        length, slots = q.shape[2], index.shape[1]
-        key_position = torch.cat([index, position], dim=1)  # [B, S + L]
-        query, key = position[:, :, None], key_position[:, None, :]
-        visible = (key >= 0) & (key <= query) & ((query - key < self.window) | (key < self.sinks))  # [B, L, S + L]
-        # A padding query sees only itself: its (discarded) output stays finite.
-        itself = torch.zeros(length, slots + length, dtype=torch.bool, device=q.device)
-        itself[:, slots:] = torch.eye(length, dtype=torch.bool, device=q.device)
-        visible = visible | itself
-        all_keys = torch.cat([keys, k.to(keys.dtype)], dim=1).transpose(1, 2)  # [B, G, S + L, D]
-        all_values = torch.cat([values, v.to(values.dtype)], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, all_keys.to(q.dtype), all_values.to(q.dtype), attn_mask=visible[:, None], scale=self.scaling, enable_gqa=True
-        )
-        rows, steps = (position >= 0).nonzero(as_tuple=True)
-        slot = self._slots(position[rows, steps])
-        keys = keys.index_put((rows, slot), k[rows, steps].to(keys.dtype))
-        values = values.index_put((rows, slot), v[rows, steps].to(values.dtype))
-        index = index.index_put((rows, slot), position[rows, steps])
-        return out, keys, values, index
+    def _remember(self, k: Tensor, v: Tensor, attention_mask: Tensor | None, state: MixerState) -> None:
+        """Write the tokens of k, v `[B, T, G, D]` that the buffer keeps (the row's first
+        `sinks` and its last `window`) into their slots, in place: these have distinct slots,
+        so the buffer ends as if every token had been written in turn."""
+        index = state["index"]
+        batch, length = k.shape[:2]
+        position = self._positions(index, attention_mask, batch, length)
+        seen = torch.maximum(index.max(dim=-1).values, position.max(dim=-1).values) + 1  # [B]
+        keep = (position >= 0) & ((position < self.sinks) | (position >= seen[:, None] - self.window))
+        rows, steps = keep.nonzero(as_tuple=True)
+        # Rows of flattened views: `k[rows, steps]` (advanced indexing) takes ~3 ms at T = 8K.
+        source = rows * length + steps
+        target = rows * index.shape[1] + self._slots(position[rows, steps])
+        for name, tensor in (("keys", k), ("values", v)):
+            buffer = state[name]
+            rows_of = tensor.reshape(batch * length, *tensor.shape[2:]).index_select(0, source)
+            buffer.view(-1, *buffer.shape[2:]).index_copy_(0, target, rows_of.to(buffer.dtype))
+        index.view(-1).index_copy_(0, target, position.flatten().index_select(0, source))
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, written into its ring slot in place, then attending over the buffer;

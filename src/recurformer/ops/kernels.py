@@ -43,7 +43,8 @@ from ..files import atomic_directory
 ENV = "RECURFORMER_KERNELS"
 CACHE_ENV = "RECURFORMER_CACHE"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("common.h", "selective_scan.cpp", "ssd.cpp", "step.cpp")
+SOURCES = ("common.h", "selective_scan.cpp", "ssd.cpp", "step.cpp",
+           "window_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")  # compile and link
 LINK_FLAGS = ("-shared",)
 LIBRARY = "librecurformer_kernels.so"
@@ -61,6 +62,8 @@ _SIGNATURES = {
     "rf_ssd_backward": ([_int] + [_ptr] * 16 + [_i64] * 8 + [_int], _int),
     "rf_mamba_step": ([_int] + [_ptr] * 11 + [_i64] * 5 + [_int], _int),
     "rf_mamba2_step": ([_int] + [_ptr] * 9 + [ctypes.c_float, _ptr] + [_i64] * 6 + [_int], _int),
+    "rf_window_forward": ([_int] + [_ptr] * 9 + [_i64] * 8 + [ctypes.c_float, _int], _int),
+    "rf_window_backward": ([_int] + [_ptr] * 15 + [_i64] * 8 + [ctypes.c_float, _int], _int),
 }
 
 
