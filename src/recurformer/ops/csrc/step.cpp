@@ -10,6 +10,7 @@
 // Every "io" tensor of a call (activations, conv state, weights, output) has one dtype:
 // bf16 when `bf16`, else fp32.
 #include "common.h"
+#include "step.h"
 
 #include <algorithm>
 #include <vector>
