@@ -1,26 +1,20 @@
-"""When a window mixer's decode step runs as one compiled call (`ops/window_step`), and the
-compiled step kept for each mixer between tokens.
+"""When a window mixer's decode step runs as one compiled call (`ops/window_step`).
 
 [ours] A window kind's `step` asks `compiled_step(mixer, x)` for its kernel and runs its
-own PyTorch step when there is none. The kernel holds the addresses of the mixer's
-weights; it is kept outside the module (a weak map, so that copying or pickling a model
-copies no kernel) and rebuilt when a parameter's storage changes (`.to()`, a replaced
-parameter). In-place updates (an optimizer step, `load_state_dict`) keep the storage, so
-the kernel sees them.
+own PyTorch step when there is none. Kernels are kept per mixer between tokens
+(`ops/module_kernels`) and rebuilt when a parameter's storage changes.
 """
 
 from __future__ import annotations
 
-import weakref
-
-import torch
 from torch import Tensor
 
 from ..ops import kernels
+from ..ops.module_kernels import KernelsByModule, records_gradients
 from ..ops.window_step import WindowStepKernel
 from .base import Mixer, PositionEmbeddings
 
-_kernels: weakref.WeakKeyDictionary[Mixer, tuple[list, tuple[int, ...], WindowStepKernel]] = weakref.WeakKeyDictionary()
+_kernels = KernelsByModule()
 
 
 def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
@@ -31,18 +25,12 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
     suit them (CPU, fp32 or bf16 activations, every parameter in their dtype, an fp32
     `state_dtype`). `compiled` with unsuitable tensors raises a one-line error."""
     backend = mixer.config.scan_backend
-    if backend != "auto" and backend != "compiled":
+    if (backend != "auto" and backend != "compiled") or records_gradients(mixer, x):
         return None
-    kept = _kernels.get(mixer)
-    if kept is not None:
-        refs, addresses, kernel = kept
-        if kernel.dtype is x.dtype and tuple(params[name].data_ptr() for params, name in refs) == addresses:
-            if torch.is_grad_enabled() and (x.requires_grad or any(params[name].requires_grad for params, name in refs)):
-                return None
-            return kernel
+    kernel = _kernels.get(mixer, x.dtype)
+    if kernel is not None:
+        return kernel
     parameters = list(mixer.parameters())
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parameters)):
-        return None
     suitable = (kernels.usable(x) and mixer.config.state_dtype == "float32"
                 and all(p.dtype == x.dtype for p in parameters))
     if backend == "auto" and not suitable:
@@ -53,8 +41,7 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
                         f"of their dtype and state_dtype float32; got {x.dtype} activations on {x.device}, state_dtype "
                         f"{mixer.config.state_dtype}, parameters of {sorted({str(p.dtype) for p in parameters})}")
     kernel = WindowStepKernel(*mixer.fused_step_parts(), x.dtype)
-    refs = [(module._parameters, name) for module in mixer.modules() for name, p in module._parameters.items() if p is not None]
-    _kernels[mixer] = (refs, tuple(params[name].data_ptr() for params, name in refs), kernel)
+    _kernels.put(mixer, kernel)
     return kernel
 
 

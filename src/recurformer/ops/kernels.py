@@ -44,7 +44,7 @@ ENV = "RECURFORMER_KERNELS"
 CACHE_ENV = "RECURFORMER_CACHE"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("common.h", "selective_scan.cpp", "ssd.cpp", "step.cpp")
-SOURCES += ("step.h", "window_step.cpp")  # the fused decode step of the window mixers
+SOURCES += ("step.h", "decode.h", "window_step.cpp", "attention_step.cpp")  # the fused decode steps (docs/method.md)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")  # compile and link
 LINK_FLAGS = ("-shared",)
 LIBRARY = "librecurformer_kernels.so"
@@ -63,7 +63,8 @@ _SIGNATURES = {
     "rf_mamba_step": ([_int] + [_ptr] * 11 + [_i64] * 5 + [_int], _int),
     "rf_mamba2_step": ([_int] + [_ptr] * 9 + [ctypes.c_float, _ptr] + [_i64] * 6 + [_int], _int),
 }
-_SIGNATURES["rf_window_step"] = ([_ptr] * 12 + [_i64] * 2 + [_int], _int)  # the fused window decode step
+_SIGNATURES["rf_window_step"] = ([_ptr] * 12 + [_i64] * 2 + [_int], _int)  # the fused decode steps
+_SIGNATURES["rf_attention_step"] = ([_ptr] * 7 + [_i64] * 4 + [_int], _int)
 
 
 class BuildError(RuntimeError):

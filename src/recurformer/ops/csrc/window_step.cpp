@@ -13,18 +13,18 @@
 //      together, and (window+mamba, window+mamba2) the tail's recurrent step, which is
 //      the compiled step of step.cpp called directly;
 //   3. (window+mamba, window+mamba2) out_proj of the tail, times the gate, plus the window.
-// The ring buffer, its index and the tail's states are written in place; scratch memory
-// belongs to the calling thread and grows only when a call needs more than an earlier one.
+// The ring buffer, its index and the tail's states are written in place; the scratch
+// memory (decode.h) is allocated once per thread.
 //
 // Every "io" tensor (activations, cos and sin, keys and values, the conv state, weights,
 // output) has one dtype: bf16 when `bf16`, else fp32. The arithmetic is fp32; the SSM
 // state and the tail sums are fp32.
 #include "common.h"
+#include "decode.h"
 #include "step.h"
 
 #include <algorithm>
 #include <limits>
-#include <vector>
 
 namespace rf {
 namespace {
@@ -61,92 +61,6 @@ struct WindowStepArgs : WindowStepWeights {
   float* ssm;
   float *tail_kv, *tail_k;  // [B, G, 2 feature_dim, D], [B, G, 2 feature_dim] (window+linear)
 };
-
-// Round `n` floats up to whole cache lines, so that every scratch array starts on one.
-inline int64_t lines(int64_t n) { return (n + W - 1) / W * W; }
-
-// acc[i] = the lanes of sum_j M[i * stride + j] x[j] for i < R (R rows, `cols` columns):
-// the R rows are read side by side, so R multiply-adds are in flight at once.
-template <int R, typename T>
-inline void row_dots(const T* M, int64_t cols, int64_t stride, const float* x, vf* acc) {
-  for (int i = 0; i < R; ++i) acc[i] = vf{};
-  for (int64_t j = 0; j < cols; j += W) {
-    const int lanes = int(std::min<int64_t>(W, cols - j));
-    const vf xv = load(x + j, lanes);
-#pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) acc[i] += load(M + i * stride + j, lanes) * xv;
-  }
-}
-
-// out[r] = sum_j M[r * stride + j] x[j] for r < rows.
-template <typename T>
-void dots(const T* M, int64_t rows, int64_t cols, int64_t stride, const float* x, float* out) {
-  vf acc[W];
-  for (int64_t r = 0; r < rows; r += W) {
-    const int n = int(std::min<int64_t>(W, rows - r));
-    if (n == W)
-      row_dots<W>(M + r * stride, cols, stride, x, acc);
-    else
-      for (int i = 0; i < n; ++i) row_dots<1>(M + (r + i) * stride, cols, stride, x, acc + i);
-    store(out + r, lane_sums(acc, n), n);
-  }
-}
-
-// One matrix that reads the hidden state: out[b, r] = M[r] . x[b] + bias[r], out [B, rows].
-struct Projection {
-  const void *weight, *bias;
-  int64_t rows;
-  float* out;
-};
-
-constexpr int64_t ROWS_PER_ITEM = 32;  // rows of one work item of the projections
-
-// Rows [r0, r0 + count) of `p` for every batch row: a block of W weight rows is read from
-// memory once and serves all batch rows from the cache.
-template <typename T>
-void project_rows(const Projection& p, int64_t r0, int64_t count, const float* x, int64_t batch, int64_t cols) {
-  const T *M = (const T*)p.weight, *bias = (const T*)p.bias;
-  for (int64_t r = r0; r < r0 + count; r += W) {
-    const int n = int(std::min<int64_t>(W, r0 + count - r));
-    for (int64_t b = 0; b < batch; ++b) {
-      float* out = p.out + b * p.rows + r;
-      dots(M + r * cols, n, cols, cols, x + b * cols, out);
-      if (bias) store(out, load(out, n) + load(bias + r, n), n);
-    }
-  }
-}
-
-// Every projection, its rows cut into work items spread over the threads.
-template <typename T>
-bool project_all(const Projection* projections, int count, const float* x, int64_t batch, int64_t cols, int threads) {
-  int64_t first[8], items = 0;  // first work item of each projection
-  for (int i = 0; i < count; ++i) {
-    first[i] = items;
-    items += (projections[i].rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-  }
-  return parallel_for(items, threads, threads > 1, true, [&](int64_t item) {
-    int i = count - 1;
-    while (first[i] > item) --i;
-    const Projection& p = projections[i];
-    const int64_t r0 = (item - first[i]) * ROWS_PER_ITEM;
-    project_rows<T>(p, r0, std::min(ROWS_PER_ITEM, p.rows - r0), x, batch, cols);
-  });
-}
-
-// RoPE as transformers' apply_rotary_pos_emb, in place on `heads` vectors of D values:
-// x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
-template <typename T>
-void rotate(float* x, int64_t heads, int64_t D, const T* cos, const T* sin) {
-  const int64_t half = D / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    float* v = x + h * D;
-    for (int64_t d = 0; d < half; ++d) {
-      const float a = v[d], b = v[d + half];
-      v[d] = a * to_float(cos[d]) - b * to_float(sin[d]);
-      v[d + half] = b * to_float(cos[d + half]) + a * to_float(sin[d + half]);
-    }
-  }
-}
 
 // window+linear's feature map of one vector x [D] with its group's map [D, F/2]:
 // phi = (softmax(x M), softmax(-x M)) [F], written to `phi`.
@@ -304,38 +218,23 @@ bool window_step(const WindowStepArgs& a) {
   const bool branch = a.tail == MAMBA2_TAIL || a.tail == MAMBA_TAIL;
   const int64_t in_rows = branch ? a.in_rows : 0, width = branch ? a.branch_width : 0;
   const bool floats_io = sizeof(T) == sizeof(float);
-  auto io_floats = [&](int64_t n) { return floats_io ? lines(n) : lines((n + 1) / 2); };
-
-  // Scratch, on the calling thread (so two Python threads never share it).
   const int64_t sizes[] = {
-      floats_io ? 0 : lines(B * a.d_in),  // x as fp32
-      lines(B * HD), lines(B * G * D), lines(B * G * D),  // q, k, v
-      lines(B * in_rows), floats_io ? 0 : io_floats(B * in_rows),  // in_proj's output, fp32 and io
-      io_floats(B * width), floats_io ? 0 : lines(B * width),  // the branch's output, io and fp32
-      lines(B * HD), branch ? lines(B * HD) : 0,  // the window's output; out_proj's
-      B * row_work(a),
+      B * a.d_in,                                // x as fp32 (bf16 io)
+      B * HD, B * G * D, B * G * D, B * in_rows,  // the projections: q, k, v, the branch's input
+      B * in_rows, B * width,                    // the branch's input and output in the io dtype (bf16 io)
+      B * width,                                 // the branch's output as fp32
+      B * HD, B * HD,                            // the window's output; out_proj's
+      B * row_work(a),                           // attend_row's
   };
-  int64_t total = 0;
-  for (int64_t n : sizes) total += n;
-  static thread_local std::vector<float> scratch;
-  if (int64_t(scratch.size()) < total + W) scratch.resize(total + W);
-  float* cursor = scratch.data();
-  while (reinterpret_cast<uintptr_t>(cursor) % (W * sizeof(float))) ++cursor;  // to a cache line
-  float* parts[sizeof sizes / sizeof sizes[0]];
-  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
-    parts[i] = cursor;
-    cursor += sizes[i];
-  }
-  const float* x = floats_io ? (const float*)a.x : parts[0];
-  float *q = parts[1], *k = parts[2], *v = parts[3], *in = parts[4];
-  void* in_io = floats_io ? (void*)in : (void*)parts[5];
-  void* mid_io = parts[6];
-  const float* mid = floats_io ? parts[6] : parts[7];
-  float *window_out = parts[8], *tail_out = parts[9], *work = parts[10];
+  float* arrays[sizeof sizes / sizeof sizes[0]];
+  Scratch scratch(sizes, arrays);
+  float *q = arrays[1], *k = arrays[2], *v = arrays[3], *in = arrays[4];
+  void* in_io = floats_io ? (void*)in : (void*)arrays[5];
+  void* mid_io = arrays[6];
+  float *window_out = arrays[8], *tail_out = arrays[9], *work = arrays[10];
+  const float* x = as_floats((const T*)a.x, B * a.d_in, arrays[0]);
   const int threads = int(a.threads);
 
-  if (!floats_io)
-    for (int64_t i = 0; i < B * a.d_in; ++i) parts[0][i] = to_float(((const T*)a.x)[i]);
   const Projection projections[] = {
       {a.q_weight, a.q_bias, HD, q}, {a.k_weight, a.k_bias, G * D, k}, {a.v_weight, a.v_bias, G * D, v},
       {a.in_weight, a.in_bias, in_rows, in},
@@ -364,8 +263,7 @@ bool window_step(const WindowStepArgs& a) {
           : rf_mamba_step(!floats_io, in_io, a.conv, a.ssm, a.conv_weight, a.conv_bias, a.x_proj, a.dt_proj,
                           a.dt_bias, a.A_log, a.D, mid_io, B, width, a.conv_width, a.n_state, a.dt_rank, threads);
   if (status != 0) return false;
-  if (!floats_io)
-    for (int64_t i = 0; i < B * width; ++i) parts[7][i] = to_float(((const T*)mid_io)[i]);
+  const float* mid = as_floats((const T*)mid_io, B * width, arrays[7]);
   const Projection out_proj = {a.out_weight, a.out_bias, HD, tail_out};
   if (!project_all<T>(&out_proj, 1, mid, B, width, threads)) return false;
   const T* gate = (const T*)a.gate;

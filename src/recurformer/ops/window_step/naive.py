@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..rope import rotate
 from ..step import mamba2_step_naive, mamba_step_naive
 from .parts import LinearTail, Mamba2Tail, MambaTail, Tail, WindowWeights
 
@@ -33,8 +34,8 @@ def window_step_naive(x: Tensor, cos: Tensor, sin: Tensor, state: dict[str, Tens
         The mixer's output `[B, H D]` in the dtype of `x`.
     """
     batch, heads, groups, dim = x.shape[0], window.heads, window.kv_heads, window.head_dim
-    q = _rotate(F.linear(x, window.q_weight, window.q_bias).view(batch, heads, dim), cos, sin)
-    k = _rotate(F.linear(x, window.k_weight, window.k_bias).view(batch, groups, dim), cos, sin)
+    q = rotate(F.linear(x, window.q_weight, window.q_bias).view(batch, heads, dim), cos, sin)
+    k = rotate(F.linear(x, window.k_weight, window.k_bias).view(batch, groups, dim), cos, sin)
     v = F.linear(x, window.v_weight, window.v_bias).view(batch, groups, dim)
     keys, values, index = state["keys"], state["values"], state["index"]
     out = torch.empty(batch, heads, dim)
@@ -74,12 +75,6 @@ def window_step_naive(x: Tensor, cos: Tensor, sin: Tensor, state: dict[str, Tens
         return out
     return out + tail.gate * F.linear(branch, tail.out_weight, tail.out_bias)
 
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on x `[B, heads, D]` as transformers applies it: x cos + rotate_half(x) sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 def _features(x: Tensor, feature_map: Tensor) -> Tensor:
