@@ -16,21 +16,26 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from . import kernels
+
 
 class KernelsByModule:
-    """`module -> kernel`; a kernel has a `dtype`, the activations' dtype it was built for."""
+    """`module -> kernel`; a kernel has a `dtype` (the activations' dtype it was built for)
+    and `lib` (the loaded kernels it calls)."""
 
     def __init__(self) -> None:
         self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def get(self, module: nn.Module, dtype: torch.dtype):
         """The kernel kept for `module` and `dtype` activations, if its parameters still have
-        the storage it was built on; else None. Costs a few microseconds."""
+        the storage it was built on and the kernels it calls are still the loaded ones
+        (`kernels.reset()` in tests); else None. Costs a few microseconds."""
         kept = self._kept.get(module)
         if kept is None:
             return None
         parameters, addresses, kernel = kept
-        if kernel.dtype is dtype and tuple(table[name].data_ptr() for table, name in parameters) == addresses:
+        if (kernel.dtype is dtype and kernel.lib is kernels.library()
+                and tuple(table[name].data_ptr() for table, name in parameters) == addresses):
             return kernel
         return None
 

@@ -53,7 +53,7 @@ def attention_step_naive(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, valu
     k = rotate(F.linear(x, weights.k_weight, weights.k_bias).view(batch, groups, dim), cos, sin)
     v = F.linear(x, weights.v_weight, weights.v_bias).view(batch, groups, dim)
     keys[:, :, length - 1], values[:, :, length - 1] = k.to(keys.dtype), v.to(values.dtype)
-    out = torch.empty(batch, heads, dim)
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
     for b in range(batch):
         for h in range(heads):
             g = h // (heads // groups)

@@ -38,7 +38,7 @@ def window_step_naive(x: Tensor, cos: Tensor, sin: Tensor, state: dict[str, Tens
     k = rotate(F.linear(x, window.k_weight, window.k_bias).view(batch, groups, dim), cos, sin)
     v = F.linear(x, window.v_weight, window.v_bias).view(batch, groups, dim)
     keys, values, index = state["keys"], state["values"], state["index"]
-    out = torch.empty(batch, heads, dim)
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
     for b in range(batch):
         position = int(index[b].max()) + 1  # the row's real tokens so far
         slot = position if position < window.sinks else window.sinks + (position - window.sinks) % window.window
