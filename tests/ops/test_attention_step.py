@@ -94,7 +94,7 @@ def test_only_the_tokens_slot_is_written(compiled):
         (lambda a: a.update(keys=a["keys"].transpose(2, 3).contiguous().transpose(2, 3)), "attention_step: keys must be a contiguous"),
         (lambda a: a.update(keys=a["keys"].bfloat16()), "attention_step: keys must be a contiguous CPU torch.float32 buffer"),
         (lambda a: a.update(x=a["x"][:, 1:]), r"attention_step: x must be a CPU torch.float32 tensor \[B, 16\]"),
-        (lambda a: a.update(sin=a["sin"][:, 1:]), r"attention_step: sin must be \[1 or 2, 8\]"),
+        (lambda a: a.update(sin=a["sin"][:, 1:]), r"attention_step: sin must be a CPU tensor \[1 or 2, 8\]"),
     ],
     ids=["length-past-capacity", "length-zero", "values-shape", "strided-keys", "keys-dtype", "x-shape", "sin-shape"],
 )

@@ -180,7 +180,7 @@ def test_the_kernel_reads_weights_updated_in_place(compiled):
         (lambda s, a: s.pop("conv"), ValueError, "window_step: the state has no tensor 'conv'"),
         (lambda s, a: a.update(x=a["x"][:, :-1]), ValueError, r"window_step: x must be a CPU torch.float32 tensor \[B, 37\]"),
         (lambda s, a: a.update(x=a["x"].double()), TypeError, "window_step: activations must be float32 or bfloat16"),
-        (lambda s, a: a.update(cos=a["cos"][:2]), ValueError, r"window_step: cos must be \[1 or 3, 10\]"),
+        (lambda s, a: a.update(cos=a["cos"][:2]), ValueError, r"window_step: cos must be a CPU tensor \[1 or 3, 10\]"),
     ],
     ids=["index-dtype", "keys-shape", "non-contiguous-state", "missing-state", "x-shape", "x-dtype", "cos-rows"],
 )

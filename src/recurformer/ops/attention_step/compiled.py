@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..window_step.compiled import token_inputs
 from .naive import AttentionWeights
 
 OP = "attention_step"
@@ -73,18 +74,8 @@ class AttentionStepKernel:
         """x `[B, d_in]`, cos and sin `[B or 1, D]`, keys and values `[B, G, capacity, D]`
         (contiguous, written in place), `length` in [1, capacity] -> `[B, H D]`."""
         dtype = self.dtype
-        if not (isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] == self.d_in and x.dtype is dtype and x.is_cpu):
-            kernels.check(OP, "x", x, None)
-            raise ValueError(f"{OP}: x must be a CPU {dtype} tensor [B, {self.d_in}], got {x.dtype} {list(x.shape)}")
-        x = x.contiguous()
+        x, cos, sin = token_inputs(x, cos, sin, dtype, self.d_in, self.dim, OP)
         batch = x.shape[0]
-        rotary = []
-        for name, t in (("cos", cos), ("sin", sin)):
-            if not (isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] in (1, batch) and t.shape[1] == self.dim):
-                raise ValueError(f"{OP}: {name} must be [1 or {batch}, {self.dim}], got {_describe(t)}")
-            rotary.append(kernels.prepare(t, dtype))
-        if rotary[0].shape[0] != rotary[1].shape[0]:
-            raise ValueError(f"{OP}: cos and sin must have the same rows, got {rotary[0].shape[0]} and {rotary[1].shape[0]}")
         capacity = keys.shape[2] if isinstance(keys, Tensor) and keys.dim() == 4 else -1
         for name, t in (("keys", keys), ("values", values)):
             if not (isinstance(t, Tensor) and t.dtype is dtype and t.shape == (batch, self.groups, capacity, self.dim)
@@ -95,9 +86,9 @@ class AttentionStepKernel:
             raise ValueError(f"{OP}: length must be in [1, {capacity}], got {length!r}")
         out = x.new_empty(batch, self.heads * self.dim)
         kernels.run(
-            OP, self.lib.rf_attention_step, ctypes.addressof(self.weights), x.data_ptr(), rotary[0].data_ptr(),
-            rotary[1].data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), batch, rotary[0].shape[0],
-            capacity, length, torch.get_num_threads(),
+            OP, self.lib.rf_attention_step, ctypes.addressof(self.weights), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), out.data_ptr(), batch, cos.shape[0], capacity, length,
+            torch.get_num_threads(),
         )
         return out
 

@@ -78,7 +78,9 @@ class WindowStepKernel:
         for name, bias, rows in (("q_bias", window.q_bias, self.d_out), ("k_bias", window.k_bias, groups * dim),
                                  ("v_bias", window.v_bias, groups * dim)):
             self._set(w, name, bias, (rows,), "[rows]", optional=True)
-        self.state_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name -> (shape after B, dtype)
+        ring = (self.slots, groups, dim)
+        # the state: name -> (shape after the batch size, dtype), in the kernel's argument order
+        self.state_shapes = {"keys": (ring, dtype), "values": (ring, dtype), "index": ((self.slots,), torch.int64)}
         if isinstance(tail, Mamba2Tail):
             self._mamba2(w, tail)
         elif isinstance(tail, MambaTail):
@@ -103,7 +105,7 @@ class WindowStepKernel:
             self._set(w, name, getattr(tail, name), (heads,), "[H]")
         self._set(w, "norm_weight", tail.norm_weight, (heads * dim,), "[H P]", optional=True)
         self._branch(w, tail)
-        self.state_shapes = {"conv": ((channels, width), self.dtype), "ssm": ((heads, dim, n_state), torch.float32)}
+        self.state_shapes.update(conv=((channels, width), self.dtype), ssm=((heads, dim, n_state), torch.float32))
 
     def _mamba(self, w: WindowStepWeights, tail: MambaTail) -> None:
         channels, width = _columns(tail.conv_weight, "conv_weight", rows=True), _columns(tail.conv_weight, "conv_weight")
@@ -117,7 +119,7 @@ class WindowStepKernel:
         self._set(w, "A_log", tail.A_log, (channels, n_state), "[Di, N]")
         self._set(w, "D", tail.D, (channels,), "[Di]")
         self._branch(w, tail)
-        self.state_shapes = {"conv": ((channels, width), self.dtype), "ssm": ((channels, n_state), torch.float32)}
+        self.state_shapes.update(conv=((channels, width), self.dtype), ssm=((channels, n_state), torch.float32))
 
     def _branch(self, w: WindowStepWeights, tail: Mamba2Tail | MambaTail) -> None:
         """in_proj, out_proj and the gate, shared by the two mamba tails."""
@@ -133,8 +135,8 @@ class WindowStepKernel:
         self._set(w, "feature_map", tail.feature_map, (self.groups, self.dim, half), "[G, D, F / 2]")
         self._set(w, "log_alpha", tail.log_alpha, (self.heads,), "[H]")
         self._set(w, "gate", tail.gate, (self.heads,), "[H]")
-        self.state_shapes = {"tail_kv": ((self.groups, 2 * half, self.dim), torch.float32),
-                             "tail_k": ((self.groups, 2 * half), torch.float32)}
+        self.state_shapes.update(tail_kv=((self.groups, 2 * half, self.dim), torch.float32),
+                                 tail_k=((self.groups, 2 * half), torch.float32))
 
     def _set(self, w: WindowStepWeights, field: str, tensor: Tensor | None, shape: tuple, layout: str,
              optional: bool = False) -> None:
@@ -148,28 +150,15 @@ class WindowStepKernel:
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, state: dict[str, Tensor]) -> Tensor:
         """x `[B, d_in]`, cos and sin `[B or 1, D]`, the state as `window_step_naive`'s -> `[B, H D]`."""
-        dtype = self.dtype
-        if not (isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] == self.d_in and x.dtype is dtype and x.is_cpu):
-            kernels.check(OP, "x", x, None)
-            raise ValueError(f"{OP}: x must be a CPU {dtype} tensor [B, {self.d_in}], got {x.dtype} {list(x.shape)}")
-        x = x.contiguous()
+        x, cos, sin = token_inputs(x, cos, sin, self.dtype, self.d_in, self.dim)
         batch = x.shape[0]
-        rotary = []
-        for name, t in (("cos", cos), ("sin", sin)):
-            if not (isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] in (1, batch) and t.shape[1] == self.dim):
-                raise ValueError(f"{OP}: {name} must be [1 or {batch}, {self.dim}], got {_describe(t)}")
-            rotary.append(kernels.prepare(t, dtype))
-        if rotary[0].shape[0] != rotary[1].shape[0]:
-            raise ValueError(f"{OP}: cos and sin must have the same rows, got {rotary[0].shape[0]} and {rotary[1].shape[0]}")
-        shapes = {"keys": ((self.slots, self.groups, self.dim), dtype), "values": ((self.slots, self.groups, self.dim), dtype),
-                  "index": ((self.slots,), torch.int64), **self.state_shapes}
-        address = {name: _state(state, name, (batch, *shape), t) for name, (shape, t) in shapes.items()}
+        address = {name: _state(state, name, (batch, *shape), dtype) for name, (shape, dtype) in self.state_shapes.items()}
         out = x.new_empty(batch, self.d_out)
         kernels.run(
-            OP, self.lib.rf_window_step, ctypes.addressof(self.weights), x.data_ptr(), rotary[0].data_ptr(),
-            rotary[1].data_ptr(), out.data_ptr(), address["keys"], address["values"], address["index"],
-            address.get("conv"), address.get("ssm"), address.get("tail_kv"), address.get("tail_k"),
-            batch, rotary[0].shape[0], torch.get_num_threads(),
+            OP, self.lib.rf_window_step, ctypes.addressof(self.weights), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            out.data_ptr(), address["keys"], address["values"], address["index"], address.get("conv"),
+            address.get("ssm"), address.get("tail_kv"), address.get("tail_k"), batch, cos.shape[0],
+            torch.get_num_threads(),
         )
         return out
 
@@ -180,6 +169,22 @@ def window_step_compiled(x: Tensor, cos: Tensor, sin: Tensor, state: dict[str, T
     if not isinstance(x, Tensor):
         raise TypeError(f"{OP}: x must be a tensor, got {type(x).__name__}")
     return WindowStepKernel(window, tail, x.dtype)(x, cos, sin, state)
+
+
+def token_inputs(x: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype, d_in: int, dim: int,
+                 op: str = OP) -> tuple[Tensor, Tensor, Tensor]:
+    """x `[B, d_in]`, cos and sin `[B or 1, dim]`, checked (CPU, `dtype`) and contiguous;
+    one-line errors otherwise. The decode steps' per-token check, so kept cheap."""
+    if not (isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] == d_in and x.dtype is dtype and x.is_cpu):
+        kernels.check(op, "x", x, None)
+        raise ValueError(f"{op}: x must be a CPU {dtype} tensor [B, {d_in}], got {x.dtype} {list(x.shape)}")
+    batch = x.shape[0]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not (isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] in (1, batch) and t.shape[1] == dim and t.is_cpu):
+            raise ValueError(f"{op}: {name} must be a CPU tensor [1 or {batch}, {dim}], got {_describe(t)}")
+    if cos.shape[0] != sin.shape[0]:
+        raise ValueError(f"{op}: cos and sin must have the same rows, got {cos.shape[0]} and {sin.shape[0]}")
+    return kernels.prepare(x, dtype), kernels.prepare(cos, dtype), kernels.prepare(sin, dtype)
 
 
 def _state(state: dict[str, Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
