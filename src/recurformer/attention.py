@@ -17,8 +17,14 @@ from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
+from .cache import HybridCache
 from .config import ConfigError, MixerConfig
 from .mixers import HeadShape, build_mixer, resolve_for_model
+from .ops import kernels
+from .ops.attention_step import AttentionStepKernel, AttentionWeights
+from .ops.module_kernels import KernelsByModule, records_gradients
+
+_decode_kernels = KernelsByModule()  # HybridAttention -> its kept heads' compiled decode step
 
 
 def check_window_fits(config, mixer_config: MixerConfig) -> None:
@@ -117,7 +123,11 @@ class HybridAttention(nn.Module):
         batch, length = hidden_states.shape[:2]
         parts: list[Tensor] = []
         weights = None
-        if self.has_attention:
+        compiled = (self._compiled_decode(hidden_states, position_embeddings, attention_mask, cache, kwargs)
+                    if self.has_attention else None)
+        if compiled is not None:
+            parts.append(compiled[:, None])
+        elif self.has_attention:
             shape = (batch, length, -1, self.head_dim)
             q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hq_kept, T, D]
             k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hkv_kept, T, D]
@@ -145,6 +155,43 @@ class HybridAttention(nn.Module):
         if self.mixer is not None:
             parts.append(self._mix(hidden_states, cache, padding_mask, position_embeddings))
         return self.o_proj(torch.cat(parts, dim=-1)), weights
+
+    def _compiled_decode(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], attention_mask: Tensor | None,
+                         cache, kwargs: dict) -> Tensor | None:
+        """The kept heads' decode step as one compiled call (`ops/attention_step`): their
+        output `[B, kept query heads * D]`, the token's key and value written into the
+        cache's buffers; None where the PyTorch path runs instead. [ours] Taken for one
+        token without a mask (the query sees the whole cache, as SDPA and eager attention
+        without a mask compute it) in inference (no gradients recorded), with a
+        `HybridCache` that holds the layer's buffers already, and CPU fp32 / bf16
+        activations and weights, when the kernels are built."""
+        if not (
+            hidden_states.shape[1] == 1
+            and attention_mask is None
+            and isinstance(cache, HybridCache)
+            and not self.training
+            and self.config._attn_implementation in ("sdpa", "eager")
+            and not kwargs.get("output_attentions")
+            and not records_gradients(self, hidden_states)
+        ):
+            return None
+        dtype = hidden_states.dtype
+        kernel = _decode_kernels.get(self, dtype)
+        if kernel is None:
+            projections = [self.q_proj, self.k_proj, self.v_proj]
+            if not kernels.usable(hidden_states) or any(p.dtype != dtype for m in projections for p in m.parameters()):
+                return None
+            kernel = AttentionStepKernel(AttentionWeights(
+                self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.v_proj.weight,
+                self.v_proj.bias, self.q_proj.out_features // self.head_dim, len(self.kept_kv_heads), self.scaling,
+            ), dtype)
+            _decode_kernels.put(self, kernel, reads=projections)
+        slot = cache.layers[self.layer_idx].append_slot()
+        if slot is None:
+            return None
+        keys, values, length = slot
+        cos, sin = position_embeddings
+        return kernel(hidden_states[:, 0], cos[:, 0], sin[:, 0], keys, values, length)
 
     def _packs_decode(self, length: int, attention_mask: Tensor | None, kwargs: dict) -> bool:
         """Whether this call is a decode step `packed_decode_attention` computes exactly as

@@ -59,6 +59,20 @@ class HybridLayer(DynamicLayer):
         self._view()
         return self.keys, self.values
 
+    def append_slot(self) -> tuple[Tensor, Tensor, int] | None:
+        """For a decode step that writes its token's key and value itself
+        (`ops/attention_step`): count one more token, grow the buffers if they are full,
+        and return (key buffer, value buffer `[B, kept_kv_heads, capacity, D]`, tokens);
+        the token's slot is `tokens - 1`. None before the first `update` (the buffers'
+        shape is not known yet)."""
+        if self._key_buffer is None:
+            return None
+        self.tokens += 1
+        if self._key_buffer.shape[-2] < self.tokens:
+            self._grow(self._key_buffer[:, :, :1])
+        self._view()
+        return self._key_buffer, self._value_buffer, self.tokens
+
     def _view(self) -> None:
         """`keys`/`values`: the filled part of the buffers."""
         self.keys = self._key_buffer[:, :, : self.tokens]

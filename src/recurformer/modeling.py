@@ -136,6 +136,8 @@ class RecurFormerForCausalLM(RecurFormerPreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = HybridCache(self.config.text_config.num_hidden_layers)
         padding_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if padding_mask is not None and bool(padding_mask.all()):
+            padding_mask = None  # no padding: checked once here rather than in every layer's mixer
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -22,6 +22,7 @@ from ..config import MixerConfig
 from ..ops.conv import causal_conv1d
 from ..ops.selective_scan import selective_scan
 from ..ops.step import mamba_step
+from ..ops.window_step import MambaTail
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 
@@ -142,6 +143,12 @@ class MambaMixer(Mixer):
             self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, backend=self.config.scan_backend,
         )
         return self.out_proj(y)
+
+    def as_tail(self, gate: Tensor) -> MambaTail:
+        """This mixer as the tail of a fused window step (`ops/window_step`), behind `gate`."""
+        return MambaTail(self.in_proj.weight, self.in_proj.bias, self.conv_weight, self.conv_bias, self.x_proj.weight,
+                         self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, self.out_proj.weight,
+                         self.out_proj.bias, gate)
 
     @property
     def A(self) -> Tensor:

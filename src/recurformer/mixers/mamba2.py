@@ -30,6 +30,7 @@ from ..ops.conv import causal_conv1d
 from ..ops.gated_norm import gated_rms_norm
 from ..ops.ssd import ssd
 from ..ops.step import mamba2_step
+from ..ops.window_step import Mamba2Tail
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 
 _NORM_EPS = 1e-5
@@ -179,6 +180,12 @@ class Mamba2Mixer(Mixer):
             self.D, self.norm_weight, self.n_groups, _NORM_EPS, backend=self.config.scan_backend,
         )
         return self.out_proj(g)
+
+    def as_tail(self, gate: Tensor) -> Mamba2Tail:
+        """This mixer as the tail of a fused window step (`ops/window_step`), behind `gate`."""
+        return Mamba2Tail(self.in_proj.weight, self.in_proj.bias, self.conv_weight, self.conv_bias, self.dt_bias,
+                          self.A_log, self.D, self.norm_weight, self.out_proj.weight, self.out_proj.bias, gate,
+                          self.n_groups, _NORM_EPS)
 
     def allocate_state(self, batch: int, dtype, device) -> MixerState:
         """`conv`: the last `d_conv` inputs, in `dtype`; `ssm`: the accumulated state, in the

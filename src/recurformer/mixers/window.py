@@ -26,7 +26,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..config import MixerConfig
 from ..ops.window import token_positions, window_attention
+from ..ops.window_step import Tail, WindowWeights
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .fused_step import compiled_step, rotary
 
 
 @register_mixer("window")
@@ -149,10 +151,23 @@ class WindowMixer(Mixer):
             buffer.view(-1, *buffer.shape[2:]).index_copy_(0, target, rows_of.to(buffer.dtype))
         index.view(-1).index_copy_(0, target, position.flatten().index_select(0, source))
 
+    def window_weights(self) -> WindowWeights:
+        """The projections and shape, as the fused step (`ops/window_step`) reads them."""
+        return WindowWeights(self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias,
+                             self.v_proj.weight, self.v_proj.bias, self.n_heads, self.n_kv_heads, self.sinks, self.window)
+
+    def fused_step_parts(self) -> tuple[WindowWeights, Tail]:
+        """What the compiled step reads (`mixers/fused_step.py`): the window, no tail."""
+        return self.window_weights(), None
+
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
-        """One token, written into its ring slot in place, then attending over the buffer;
-        each KV group's query heads are that group's queries (`[B, G, H / G, D]`), so no key
+        """One token, written into its ring slot in place, then attending over the buffer:
+        one compiled call when the kernels are built (`ops/window_step`); else PyTorch,
+        each KV group's query heads as that group's queries (`[B, G, H / G, D]`), so no key
         or value is repeated per head."""
+        kernel = compiled_step(self, x)
+        if kernel is not None:
+            return kernel(x, *rotary(position_embeddings), state)
         batch = x.shape[0]
         q, k, v = self._project(x[:, None], position_embeddings)
         keys, values, index = state["keys"], state["values"], state["index"]

@@ -30,7 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MixerConfig
+from ..ops.window_step import LinearTail, WindowWeights
 from .base import HeadShape, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
+from .fused_step import compiled_step, rotary
 from .window import WindowMixer
 
 
@@ -165,11 +167,19 @@ class WindowLinearMixer(WindowMixer):
         index = index.index_put((rows, slot), position[rows, steps])
         return out, keys, values, index, tail_kv, tail_k
 
+    def fused_step_parts(self) -> tuple[WindowWeights, LinearTail]:
+        """What the compiled step reads (`mixers/fused_step.py`): the window and the tail."""
+        return self.window_weights(), LinearTail(self.feature_map, self.log_alpha, self.gate)
+
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, its block of length one written in place: the token leaving the window
         (the one in the ring slot this token takes) enters the tail sums, this token takes
-        its slot, then the query attends over the ring and reads the sums. Each KV group's
-        `group` query heads are one `[group, D]` matrix, so no K/V or sum is repeated per head."""
+        its slot, then the query attends over the ring and reads the sums. One compiled call
+        when the kernels are built (`ops/window_step`); else PyTorch, each KV group's
+        `group` query heads as one `[group, D]` matrix, so no K/V or sum is repeated per head."""
+        kernel = compiled_step(self, x)
+        if kernel is not None:
+            return kernel(x, *rotary(position_embeddings), state)
         batch = x.shape[0]
         q, k, v = self._project(x[:, None], position_embeddings)  # [B, H, 1, D], [B, 1, G, D] twice
         keys, values, index = state["keys"], state["values"], state["index"]

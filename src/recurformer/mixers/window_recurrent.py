@@ -24,7 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from ..config import MixerConfig
+from ..ops.window_step import Mamba2Tail, MambaTail, WindowWeights
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .fused_step import compiled_step, rotary
 from .mamba import MambaMixer
 from .mamba2 import Mamba2Mixer
 from .window import WindowMixer
@@ -90,7 +92,20 @@ class WindowRecurrentMixer(Mixer):
         tail = self.recurrent(x, self._part(state, "recurrent."), attention_mask, position_embeddings)
         return window + self.gate * tail
 
+    def fused_step_parts(self) -> tuple[WindowWeights, Mamba2Tail | MambaTail]:
+        """What the compiled step reads (`mixers/fused_step.py`): the window, and the
+        recurrent branch as its tail with the gate."""
+        return self.window.window_weights(), self.recurrent.as_tail(self.gate)
+
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
+        """One token through both branches, the states updated in place: one compiled call
+        (projections, window, branch step, out_proj and gate) when the kernels are built
+        (`ops/window_step`); else the two mixers' own steps."""
+        kernel = compiled_step(self, x)
+        if kernel is not None:
+            names = {"keys": "window.keys", "values": "window.values", "index": "window.index",
+                     "conv": "recurrent.conv", "ssm": "recurrent.ssm"}
+            return kernel(x, *rotary(position_embeddings), {name: state[key] for name, key in names.items()})
         window = self.window.step(x, self._part(state, "window."), position_embeddings)
         tail = self.recurrent.step(x, self._part(state, "recurrent."), position_embeddings)
         return window + self.gate * tail

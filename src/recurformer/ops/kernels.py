@@ -43,8 +43,8 @@ from ..files import atomic_directory
 ENV = "RECURFORMER_KERNELS"
 CACHE_ENV = "RECURFORMER_CACHE"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("common.h", "selective_scan.cpp", "ssd.cpp", "step.cpp",
-           "window_attention.cpp")
+SOURCES = ("common.h", "selective_scan.cpp", "ssd.cpp", "step.cpp", "window_attention.cpp")
+SOURCES += ("step.h", "decode.h", "window_step.cpp", "attention_step.cpp")  # the fused decode steps (docs/method.md)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")  # compile and link
 LINK_FLAGS = ("-shared",)
 LIBRARY = "librecurformer_kernels.so"
@@ -65,6 +65,8 @@ _SIGNATURES = {
     "rf_window_forward": ([_int] + [_ptr] * 9 + [_i64] * 8 + [ctypes.c_float, _int], _int),
     "rf_window_backward": ([_int] + [_ptr] * 15 + [_i64] * 8 + [ctypes.c_float, _int], _int),
 }
+_SIGNATURES["rf_window_step"] = ([_ptr] * 12 + [_i64] * 2 + [_int], _int)  # the fused decode steps
+_SIGNATURES["rf_attention_step"] = ([_ptr] * 7 + [_i64] * 4 + [_int], _int)
 
 
 class BuildError(RuntimeError):

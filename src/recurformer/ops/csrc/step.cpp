@@ -10,6 +10,7 @@
 // Every "io" tensor of a call (activations, conv state, weights, output) has one dtype:
 // bf16 when `bf16`, else fp32.
 #include "common.h"
+#include "step.h"
 
 #include <algorithm>
 #include <vector>
@@ -93,7 +94,10 @@ bool mamba_step(const MambaStep& a, int threads) {
   return parallel_for(a.batch, threads, a.batch > 1, true, [&](int64_t b) {
     FlushDenormals ftz;
     const T* xz = (const T*)a.xz + b * 2 * Di;
-    std::vector<float> xs(Di), dbc(R + 2 * N), delta(Di);
+    static thread_local std::vector<float> xs, dbc, delta;  // grown once per thread, not per token
+    xs.resize(Di);
+    dbc.resize(R + 2 * N);
+    delta.resize(Di);
     conv_step(xz, (T*)a.conv_state + b * Di * a.width, (const T*)a.conv_weight, (const T*)a.conv_bias, Di, a.width,
               xs.data());
     matvec((const T*)a.x_proj, R + 2 * N, Di, xs.data(), dbc.data());  // (dt, B, C)
@@ -141,7 +145,10 @@ bool mamba2_step(const Mamba2Step& a, int threads) {
     FlushDenormals ftz;
     const T* in = (const T*)a.zxbcdt + b * (H * P + channels + H);
     const T *z = in, *dt_raw = in + H * P + channels;
-    std::vector<float> xbc(channels), dt(H), gated(P);
+    static thread_local std::vector<float> xbc, dt, gated;  // grown once per thread, not per token
+    xbc.resize(channels);
+    dt.resize(H);
+    gated.resize(P);
     conv_step(in + H * P, (T*)a.conv_state + b * channels * a.width, (const T*)a.conv_weight,
               (const T*)a.conv_bias, channels, a.width, xbc.data());
     softplus_into(dt_raw, (const T*)a.dt_bias, H, dt.data());

@@ -1,0 +1,62 @@
+"""The kept heads' decode step in plain PyTorch, one row and one head at a time: the oracle
+of `attention_step/compiled.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..rope import rotate
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """The kept heads' projections: q_weight `[H D, d_in]`, k_weight and v_weight
+    `[G D, d_in]`, their biases `[rows]` or None; H = `heads` query heads over G =
+    `kv_heads` KV groups (query head h reads group h // (H / G)); scores scaled by `scaling`."""
+
+    q_weight: Tensor
+    q_bias: Tensor | None
+    k_weight: Tensor
+    k_bias: Tensor | None
+    v_weight: Tensor
+    v_bias: Tensor | None
+    heads: int
+    kv_heads: int
+    scaling: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_weight.shape[0] // self.heads
+
+
+def attention_step_naive(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: int,
+                         weights: AttentionWeights) -> Tensor:
+    """One token through the kept heads.
+
+    Args:
+        x: the layer's normalized hidden state `[B, d_in]`.
+        cos, sin: the token's rotary embedding `[B or 1, D]`.
+        keys, values: the K/V cache buffers `[B, G, capacity, D]` (activations' dtype); the
+            token's rotated key and its value are written to slot `length - 1`, and the
+            query attends over slots `[0, length)`.
+        weights: the projections.
+
+    Returns:
+        The heads' attention output `[B, H D]` in the dtype of `x`.
+    """
+    batch, heads, groups, dim = x.shape[0], weights.heads, weights.kv_heads, weights.head_dim
+    q = rotate(F.linear(x, weights.q_weight, weights.q_bias).view(batch, heads, dim), cos, sin)
+    k = rotate(F.linear(x, weights.k_weight, weights.k_bias).view(batch, groups, dim), cos, sin)
+    v = F.linear(x, weights.v_weight, weights.v_bias).view(batch, groups, dim)
+    keys[:, :, length - 1], values[:, :, length - 1] = k.to(keys.dtype), v.to(values.dtype)
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // groups)
+            scores = (keys[b, g, :length].float() @ q[b, h].float()) * weights.scaling
+            out[b, h] = scores.softmax(-1) @ values[b, g, :length].float()
+    return out.reshape(batch, heads * dim).to(x.dtype)
