@@ -17,10 +17,10 @@ from .surgery import model_fingerprint
 RECURFORMER_TYPE = "recurformer"
 
 
-def load_model(name_or_path: str, progress: bool = True):
-    """(model in fp32 eval mode, tokenizer, local directory) for a path or a known name."""
+def load_model(name_or_path: str, progress: bool = True, dtype: torch.dtype = torch.float32):
+    """(model in `dtype` (fp32) eval mode, tokenizer, local directory) for a path or a known name."""
     directory = resolve_model(name_or_path, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(directory), directory
 
 
@@ -30,14 +30,14 @@ def is_converted(path: str | Path) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("model_type") == RECURFORMER_TYPE
 
 
-def load_converted(directory: str | Path):
-    """(RecurFormer model in fp32, tokenizer) from a directory written by convert or train."""
+def load_converted(directory: str | Path, dtype: torch.dtype = torch.float32):
+    """(RecurFormer model in `dtype` (fp32), tokenizer) from a directory written by convert or train."""
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{directory}: not a model directory (no config.json)")
     if not is_converted(path):
         raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
 
 
 def load_any(name_or_path: str):
@@ -48,9 +48,9 @@ def load_any(name_or_path: str):
     return model, tokenizer
 
 
-def load_teacher(student, teacher: str | None = None):
+def load_teacher(student, teacher: str | None = None, dtype: torch.dtype = torch.float32):
     """The original model `student` was converted from (`teacher` overrides the recorded
-    name), checked by its weight fingerprint."""
+    name), checked by its weight fingerprint, in `dtype` (fp32)."""
     name = teacher or student.config.source_model
     if not name:
         raise ConfigError("the model does not record the model it was converted from; pass --teacher")
@@ -58,6 +58,11 @@ def load_teacher(student, teacher: str | None = None):
     expected = student.config.source_fingerprint
     if expected and model_fingerprint(model) != expected:
         raise ConfigError(f"teacher {name} is not the model this one was converted from (fingerprint mismatch)")
+    if dtype != torch.float32:
+        # The fingerprint is of the fp32 weights; loading in `dtype` (rather than casting the
+        # fp32 model) keeps what transformers keeps in fp32, such as the rotary frequencies.
+        del model
+        model = load_model(name, progress=False, dtype=dtype)[0]
     return model
 
 
