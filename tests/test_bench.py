@@ -161,9 +161,10 @@ def test_batches_give_per_sequence_and_total_speed_and_the_largest_batch_in_a_bu
     assert {(m["model"], m["batch"]) for m in medians} == {(n, b) for n in ("original", "static", "half") for b in (1, 3)}
 
 
-def test_a_batched_decode_keeps_the_fast_paths(monkeypatch):
+@pytest.mark.parametrize("decoder", ["bench", "generate"])
+def test_a_batched_decode_keeps_the_fast_paths(monkeypatch, decoder):
     """With left padding every decode step still takes the mixer's `step` and the packed
-    attention of the kept heads, in every layer."""
+    attention of the kept heads, in every layer, in the benchmark and in `generate`."""
     model = tiny_model("llama")
     converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="window+mamba2", window=8, sinks=1, ssd_chunk=8),
                         init="random")
@@ -176,15 +177,19 @@ def test_a_batched_decode_keeps_the_fast_paths(monkeypatch):
 
     monkeypatch.setattr(attention, "packed_decode_attention", counting)
     for layer in converted.hybrid_attentions():
-        mixer = layer.mixer
         for method in ("step", "forward"):
-            original = getattr(mixer, method)
-            monkeypatch.setattr(mixer, method, lambda *a, _o=original, _m=method, **k: (calls.__setitem__(_m, calls[_m] + 1), _o(*a, **k))[1])
-    measure(converted, "half", context=12, cache="hybrid", decode_steps=3, warmup=1, batch=3)
-    layers = converted.config.text_config.num_hidden_layers
-    with_mixer = sum(layer.mixer is not None for layer in converted.hybrid_attentions())
-    with_heads = sum(layer.has_attention for layer in converted.hybrid_attentions())
-    assert calls == {"step": 4 * with_mixer, "forward": with_mixer, "packed": 4 * with_heads} and layers == 2
+            original = getattr(layer.mixer, method)
+            monkeypatch.setattr(layer.mixer, method, lambda *a, _o=original, _m=method, **k: (
+                calls.__setitem__(_m, calls[_m] + 1), _o(*a, **k))[1])
+    if decoder == "bench":
+        measure(converted, "half", context=12, cache="hybrid", decode_steps=3, warmup=1, batch=3)
+    else:
+        ids, mask = padded_prompts(97, batch=3, context=12)
+        converted.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    layers = converted.hybrid_attentions()
+    with_mixer, with_heads = sum(layer.mixer is not None for layer in layers), sum(layer.has_attention for layer in layers)
+    assert with_mixer and with_heads
+    assert calls == {"step": 4 * with_mixer, "forward": with_mixer, "packed": 4 * with_heads}  # 4 steps after the prefill
 
 
 def test_a_compiled_baseline_that_cannot_compile_is_skipped_with_its_reason(monkeypatch):
