@@ -2,11 +2,13 @@ import json
 
 import pytest
 import torch
-from tiny_models import save_tiny_model, spec_for, tiny_model
+from tiny_models import save_tiny_model, spec_for, tiny_model, tiny_tokenizer
 
-from recurformer.bench import cache_bytes, compare, max_context, median_measurements, new_cache
+from recurformer import attention
+from recurformer.bench import (BenchConfig, against_original, cache_bytes, compare, max_context, measure, median_measurements,
+                               new_cache, padded_prompts)
 from recurformer.cache import CACHE_ARGUMENT
-from recurformer.config import MixerConfig
+from recurformer.config import ConfigError, MixerConfig
 from recurformer.memory import PeakMemory
 from recurformer.cli import main
 from recurformer.surgery import convert
@@ -117,3 +119,149 @@ def test_bench_script_variants_name_their_shape():
         for bad in ("window", "window:half"):
             with pytest.raises(SystemExit, match="expected mixer:beta"):
                 script.parse_variant(bad)
+
+
+def test_padded_prompts_are_left_padded_rows_of_different_lengths():
+    ids, mask = padded_prompts(97, batch=4, context=16, seed=0)
+    assert ids.shape == mask.shape == (4, 16)
+    assert mask.sum(1).tolist() == [16, 14, 12, 10]  # context - i * context // (2 * batch)
+    for row in range(4):
+        padding = 16 - int(mask[row].sum())
+        assert mask[row, :padding].sum() == 0 and mask[row, padding:].all() and ids[row, :padding].eq(0).all()
+    alone, none_padded = padded_prompts(97, batch=1, context=16, seed=0)
+    assert none_padded.all() and torch.equal(alone, ids[:1])
+
+
+def test_batches_give_per_sequence_and_total_speed_and_the_largest_batch_in_a_budget():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    budget = 1 << 20
+    result = compare({"original": (model, "dynamic"), "static": (model, "static"), "half": (converted, "hybrid")},
+                     ["original", "static"], [16, 32], decode_steps=2, budget_bytes=budget, batches=[1, 3])
+    assert result["batches"] == [1, 3] and result["dtype"] == "float32"
+    rows = {(r["model"], r["context"], r["batch"]): r for r in result["measurements"]}
+    assert len(rows) == len(result["measurements"]) == 3 * 2 * 2
+    for (name, context, batch), row in rows.items():
+        assert row["decode_total_tokens_per_s"] == pytest.approx(batch * row["decode_tokens_per_s"])
+        assert row["compile_s"] is None
+        # Every row holds `context` slots of K/V, padding included; the state is per row.
+        alone = rows[(name, context, 1)]
+        assert (row["kv_bytes"], row["state_bytes"]) == (batch * alone["kv_bytes"], batch * alone["state_bytes"])
+    assert len(result["ratios"]) == 2 * 2 * 2  # (half against each baseline) x contexts x batches
+    ratio = next(r for r in result["ratios"] if (r["baseline"], r["context"], r["batch"]) == ("static", 32, 3))
+    assert ratio["decode_speedup"] == pytest.approx(
+        rows[("half", 32, 3)]["decode_total_tokens_per_s"] / rows[("static", 32, 3)]["decode_total_tokens_per_s"])
+    for entry in result["cache_budget"]:  # from the measured bytes at the longest context
+        row = rows[(entry["model"], 32, 1)]
+        assert entry["context"] == 32 and entry["bytes_per_sequence"] == row["cache_bytes"]
+        assert entry["max_batch"] == budget // row["cache_bytes"] > 0
+    budgets = {b["model"]: b["max_batch"] for b in result["cache_budget"]}
+    assert budgets["half"] > budgets["original"] == budgets["static"]
+    medians = median_measurements(result)
+    assert {(m["model"], m["batch"]) for m in medians} == {(n, b) for n in ("original", "static", "half") for b in (1, 3)}
+
+
+@pytest.mark.parametrize("decoder", ["bench", "generate"])
+def test_a_batched_decode_keeps_the_fast_paths(monkeypatch, decoder):
+    """With left padding every decode step still takes the mixer's `step` and the packed
+    attention of the kept heads, in every layer, in the benchmark and in `generate`."""
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="window+mamba2", window=8, sinks=1, ssd_chunk=8),
+                        init="random")
+    calls = {"step": 0, "forward": 0, "packed": 0}
+    packed = attention.packed_decode_attention
+
+    def counting(*args, **kwargs):
+        calls["packed"] += 1
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "packed_decode_attention", counting)
+    for layer in converted.hybrid_attentions():
+        for method in ("step", "forward"):
+            original = getattr(layer.mixer, method)
+            monkeypatch.setattr(layer.mixer, method, lambda *a, _o=original, _m=method, **k: (
+                calls.__setitem__(_m, calls[_m] + 1), _o(*a, **k))[1])
+    if decoder == "bench":
+        measure(converted, "half", context=12, cache="hybrid", decode_steps=3, warmup=1, batch=3)
+    else:
+        ids, mask = padded_prompts(97, batch=3, context=12)
+        converted.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    layers = converted.hybrid_attentions()
+    with_mixer, with_heads = sum(layer.mixer is not None for layer in layers), sum(layer.has_attention for layer in layers)
+    assert with_mixer and with_heads
+    assert calls == {"step": 4 * with_mixer, "forward": with_mixer, "packed": 4 * with_heads}  # 4 steps after the prefill
+
+
+def test_a_compiled_baseline_that_cannot_compile_is_skipped_with_its_reason(monkeypatch):
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+
+    def no_compiler(config):
+        def fail(*args, **kwargs):
+            raise RuntimeError("InductorError: no working C++ compiler\nmore detail")
+        return fail
+
+    monkeypatch.setattr(model, "get_compiled_call", no_compiler)
+    result = against_original({"half": converted}, model, BenchConfig(contexts=(16,), decode_steps=2, compile=True))
+    assert result["skipped"] == [{"model": "original+static-cache+compiled",
+                                  "reason": "torch.compile failed: RuntimeError: InductorError: no working C++ compiler"}]
+    assert result["baselines"] == ["original", "original+static-cache"]
+    assert {r["model"] for r in result["measurements"]} == {"original", "original+static-cache", "half"}
+
+
+@pytest.mark.slow
+def test_the_compiled_static_cache_baseline_is_timed_apart_from_its_compilation():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    result = against_original({"half": converted}, model, BenchConfig(contexts=(16, 24), batches=(1, 2), decode_steps=2,
+                                                                      compile=True))
+    assert result["skipped"] == [] and "original+static-cache+compiled" in result["baselines"]
+    compiled = [r for r in result["measurements"] if r["model"] == "original+static-cache+compiled"]
+    assert len(compiled) == 4 and all(r["decode_tokens_per_s"] > 0 and r["compile_s"] >= 0 for r in compiled)
+    assert result["compile_s"]["original+static-cache+compiled"] > 0
+    assert any(r["baseline"] == "original+static-cache+compiled" for r in result["ratios"])
+
+
+def test_the_benchmark_refuses_a_model_in_another_dtype():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random")
+    with pytest.raises(ConfigError, match="the original is in torch.float32, the benchmark in bfloat16"):
+        against_original({"half": converted}, model, BenchConfig(contexts=(16,), dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def converted_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    save_tiny_model(root / "model")
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), init="random", source_model=str(root / "model"))
+    converted.save_pretrained(root / "conv")
+    tiny_tokenizer().save_pretrained(root / "conv")
+    return root
+
+
+def test_bench_command_with_batches_in_bfloat16(converted_dir, capsys):
+    out = converted_dir / "batched.json"
+    code = main(["bench", str(converted_dir / "conv"), "--context", "16", "--batch", "1,2", "--decode-steps", "2",
+                 "--dtype", "bfloat16", "--out", str(out), "--plot", str(converted_dir / "batched.png")])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "bfloat16" and result["batches"] == [1, 2]  # against_original checks every model's dtype
+    assert {(r["model"], r["batch"]) for r in result["measurements"]} == {
+        (name, batch) for name in ("original", "original+static-cache", str(converted_dir / "conv")) for batch in (1, 2)}
+    assert all(b["max_batch"] > 0 for b in result["cache_budget"])
+    assert (converted_dir / "batched.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--batch", "0"), "argument --batch: --batch: expected positive integers, got '0'"),
+    (("--batch", "4,x"), "argument --batch: --batch: expected comma-separated integers, got '4,x'"),
+    (("--dtype", "float8"), "argument --dtype: --dtype: expected one of float32, bfloat16, float16, got 'float8'"),
+])
+def test_bad_bench_values_are_one_line_errors(converted_dir, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", str(converted_dir / "conv"), *flags, "--out", str(converted_dir / "never.json")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.rstrip("\n").split("\n")[-1] == f"recurformer bench: error: {message}"
+    assert not (converted_dir / "never.json").exists()

@@ -1,14 +1,28 @@
 """Inference cost against the original model: cache bytes, prefill time, decode speed, memory.
 
-For each context length the models are measured one after the other in the same process
-(original, converted, original, ...), on the same random prompt; with `rounds` > 1 the
-whole sequence is repeated and each ratio is the median over rounds (with its range), every
-round's ratio taken between measurements of that round. Decode speed is the median over
-`decode_steps` single-token steps after `warmup` untimed steps. Cache bytes come from the
-cache objects themselves at exactly `context` tokens. Peak memory is the highest resident
-set size sampled during prefill and decode, above the level before it, after freed heap
-memory has been handed back to the OS (glibc), so that it counts what this measurement
-allocates rather than what an earlier one left resident.
+For each context length and batch size the models are measured one after the other in the
+same process (original, converted, original, ...), on the same random prompts; with
+`rounds` > 1 the whole sequence is repeated and each ratio is the median over rounds (with
+its range), every round's ratio taken between measurements of that round. Decode speed is
+the median over `decode_steps` steps after `warmup` untimed steps, per sequence and in
+total (the batch's tokens per second). Cache bytes come from the cache objects themselves
+at exactly `context` tokens. Peak memory is the highest resident set size sampled during
+prefill and decode, above the level before it, after freed heap memory has been handed
+back to the OS (glibc), so that it counts what this measurement allocates rather than what
+an earlier one left resident.
+
+[ours] A batch of B > 1 prompts is left-padded, rows of different lengths, as requests
+batched together are: row i holds `context - i * context // (2 B)` tokens, from the full
+context down to a little over half of it. Every step's inputs are prepared as `generate`
+prepares them (`prepare_inputs_for_generation`: position ids from the padding mask, and for
+a static cache the 4-D mask of its full length, built outside the model so that a compiled
+forward sees the same shapes at every step), inside the timed step.
+
+The original's static-cache decode step can also run compiled (`BenchConfig.compile`), as
+transformers' `generate` compiles it: `get_compiled_call` with the default `CompileConfig`
+(torch.compile, inductor, mode `reduce-overhead`), prefill eager. The first step at a new
+shape compiles; what it takes beyond an ordinary step is reported as `compile_s`, apart
+from the speed, which counts only the timed steps.
 """
 
 from __future__ import annotations
@@ -16,41 +30,72 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
-from transformers import DynamicCache, StaticCache
+from torch import Tensor
+from transformers import CompileConfig, DynamicCache, StaticCache
 
 from .cache import CACHE_ARGUMENT, HybridCache
-from .config import ConfigError, option, require
+from .config import STATE_DTYPES, ConfigError, option, require
 from .memory import PeakMemory
+
+
+def _positive_integers(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    require(bool(values) and min(values) >= 1, f"{flag}: expected positive integers, got {text!r}")
+    return values
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:
     """`--context 512,2048,8192` -> (512, 2048, 8192)."""
-    try:
-        contexts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(f"--context: expected comma-separated integers, got {text!r}") from None
-    require(bool(contexts) and min(contexts) >= 1, f"--context: expected positive integers, got {text!r}")
-    return contexts
+    return _positive_integers("--context", text)
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    """`--batch 1,4,16` -> (1, 4, 16)."""
+    return _positive_integers("--batch", text)
+
+
+DTYPES = STATE_DTYPES  # the dtypes a model can be benchmarked in: float32, bfloat16, float16
+
+
+def parse_dtype(text: str) -> str:
+    require(text in DTYPES, f"--dtype: expected one of {', '.join(DTYPES)}, got {text!r}")
+    return text
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What `bench` measures: the contexts, the decode steps timed, the rounds."""
+    """What `bench` measures: the contexts and batch sizes, the decode steps timed, the
+    rounds, the dtype, and whether the original's static-cache decode also runs compiled."""
 
     contexts: tuple[int, ...] = option((512, 2048, 8192), "comma-separated context lengths", flag="--context",
                                        parse=parse_contexts)
+    batches: tuple[int, ...] = option((1,), "comma-separated batch sizes: sequences decoded together, left-padded "
+                                      "rows of different lengths (docs/benchmarks.md)", flag="--batch", parse=parse_batches)
     decode_steps: int = option(32, "timed decode steps (the median is reported)")
     rounds: int = option(1, "repeat every measurement; ratios are medians over rounds")
-    budget_gib: float = option(1.0, "cache budget (GiB) for the longest-context column")
+    budget_gib: float = option(1.0, "cache budget (GiB): the longest context (one sequence) and the largest batch "
+                               "(at the longest context) whose cache fits it")
+    dtype: str = option("float32", f"dtype both models are loaded in ({', '.join(DTYPES)})", parse=parse_dtype)
+    compile: bool = option(False, "also time the original's static-cache decode under torch.compile, as generate "
+                           "compiles it (compile time reported apart)")
 
     def __post_init__(self) -> None:
         require(bool(self.contexts) and min(self.contexts) >= 1, f"--context: expected positive integers, got {self.contexts}")
+        require(bool(self.batches) and min(self.batches) >= 1, f"--batch: expected positive integers, got {self.batches}")
         require(self.decode_steps >= 1, f"--decode-steps must be >= 1, got {self.decode_steps}")
         require(self.rounds >= 1, f"--rounds must be >= 1, got {self.rounds}")
         require(self.budget_gib > 0, f"--budget-gib must be > 0, got {self.budget_gib}")
+        parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
 
 @dataclass
@@ -58,8 +103,11 @@ class Measurement:
     model: str
     round: int
     context: int
+    batch: int
     prefill_s: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # per sequence: 1 / the median step
+    decode_total_tokens_per_s: float  # the batch's: batch / the median step
+    compile_s: float | None  # compiled contenders: the first step's time beyond an ordinary step; else None
     kv_bytes: int
     kv_reserved_bytes: int
     state_bytes: int
@@ -99,30 +147,60 @@ def new_cache(model, kind: str, length: int):
     return DynamicCache(config=model.config)
 
 
+class Contender(NamedTuple):
+    """A model as benchmarked: its cache kind (`CACHES`) and whether its decode steps run
+    compiled (`get_compiled_call`, as `generate` runs them)."""
+
+    model: torch.nn.Module
+    cache: str
+    compiled: bool = False
+
+
+def padded_prompts(vocab: int, batch: int, context: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Random token ids `[B, context]` and their mask `[B, context]` (1 = token): row i holds
+    `context - i * context // (2 B)` tokens, left-padded with id 0 (see the module docstring)."""
+    ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(seed))
+    lengths = context - torch.arange(batch) * context // (2 * batch)
+    mask = (torch.arange(context)[None, :] >= context - lengths[:, None]).long()
+    return ids * mask, mask
+
+
+def _inputs(model, ids: Tensor, cache, mask: Tensor, positions: Tensor, first: bool) -> dict:
+    """The keyword arguments `generate` gives the model for `ids` `[B, T]`."""
+    return model.prepare_inputs_for_generation(ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                               is_first_iteration=first, **{CACHE_ARGUMENT: cache})
+
+
 @torch.no_grad()
 def measure(
-    model, name: str, context: int, cache: str, decode_steps: int = 32, warmup: int = 4, seed: int = 0, round: int = 0
+    model, name: str, context: int, cache: str, decode_steps: int = 32, warmup: int = 4, seed: int = 0, round: int = 0,
+    batch: int = 1, compiled: bool = False,
 ) -> Measurement:
-    """Prefill a random prompt of `context` tokens, then decode greedily."""
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
+    """Prefill `batch` random prompts of `context` tokens (left-padded, see `padded_prompts`),
+    then decode greedily; `compiled`: the decode steps through `get_compiled_call`."""
+    require(not compiled or warmup >= 1, "a compiled decode needs at least one untimed step (it compiles)")
+    ids, mask = padded_prompts(model.config.get_text_config().vocab_size, batch, context, seed)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    step_call = model.get_compiled_call(CompileConfig()) if compiled else model
     with PeakMemory(interval=0.002, settle=True) as memory:
         cache = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()
-        out = model(prompt, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
+        out = model(**_inputs(model, ids, cache, mask, positions, first=True), logits_to_keep=1)
         prefill = time.perf_counter() - start
         kv, reserved, state = cache_bytes(cache)
         token = out.logits[:, -1:].argmax(-1)
         times = []
-        for step in range(warmup + decode_steps):
+        for _ in range(warmup + decode_steps):
             start = time.perf_counter()
-            out = model(token, use_cache=True, **{CACHE_ARGUMENT: cache})
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = step_call(**_inputs(model, token, cache, mask, positions, first=False))
             token = out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
     del cache, out
-    return Measurement(name, round, context, prefill, 1.0 / statistics.median(times), kv, reserved, state, kv + state,
-                       memory.growth)
+    step = statistics.median(times[warmup:])
+    return Measurement(name, round, context, batch, prefill, 1.0 / step, batch / step,
+                       max(0.0, times[0] - step) if compiled else None, kv, reserved, state, kv + state, memory.growth)
 
 
 def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int) -> int:
@@ -133,52 +211,89 @@ def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int
     return max(0, int((budget_bytes - state_bytes) // per_token))
 
 
+def max_batch(bytes_per_sequence: float, budget_bytes: int) -> int:
+    """Largest batch whose cache fits `budget_bytes`: K/V and state both grow with the batch."""
+    return int(budget_bytes // bytes_per_sequence) if bytes_per_sequence > 0 else -1
+
+
 def compare(
-    contenders: dict[str, tuple[torch.nn.Module, str]], baselines: list[str], contexts: list[int],
-    decode_steps: int = 32, budget_bytes: int = 1 << 30, rounds: int = 1, progress=None,
+    contenders: dict[str, Contender | tuple], baselines: list[str], contexts: list[int],
+    decode_steps: int = 32, budget_bytes: int = 1 << 30, rounds: int = 1, progress=None, batches: list[int] = (1,),
 ) -> dict:
-    """Measure every `name -> (model, cache kind)` at every context, alternating, `rounds`
-    times, and the ratios of every other contender to each of `baselines` (median over rounds)."""
-    for model, cache in contenders.values():  # untimed: first calls pay one-time start-up costs
-        measure(model, "warm-up", min(contexts), cache, decode_steps=2, warmup=1)
+    """Measure every `name -> Contender(model, cache kind, compiled)` at every context and
+    batch, alternating, `rounds` times, and the ratios of every other contender to each of
+    `baselines` (median over rounds). A compiled contender whose compilation fails is left
+    out, with the reason, under `skipped`."""
+    contenders = {name: Contender(*spec) for name, spec in contenders.items()}
+    skipped, compile_s = [], {}
+    for name, spec in list(contenders.items()):  # untimed: first calls pay one-time start-up costs (and compile)
+        start = time.perf_counter()
+        try:
+            measure(spec.model, "warm-up", min(contexts), spec.cache, decode_steps=2, warmup=1, batch=min(batches),
+                    compiled=spec.compiled)
+        except Exception as error:  # torch.compile fails in many ways: no C++ compiler, an op it cannot trace, ...
+            if not spec.compiled:
+                raise
+            skipped.append({"model": name, "reason": f"torch.compile failed: {_first_line(error)}"})
+            del contenders[name]
+            continue
+        if spec.compiled:
+            compile_s[name] = time.perf_counter() - start
+    baselines = [b for b in baselines if b in contenders]
     rows: list[Measurement] = []
     for round in range(rounds):
         for context in contexts:
-            for name, (model, cache) in contenders.items():
-                if progress:
-                    progress(f"{name} @ {context}" + (f" (round {round + 1}/{rounds})" if rounds > 1 else ""))
-                rows.append(measure(model, name, context, cache, decode_steps, round=round))
-    ratios = []
-    for baseline in baselines:
-        for context in contexts:
-            for name in contenders:
-                if name in baselines:
-                    continue
-                ratios.append({"model": name, "baseline": baseline, "context": context,
-                               **_ratios_over_rounds(rows, name, baseline, context, rounds)})
-    largest = max(contexts)
-    budgets = [
-        {"model": r.model, "budget_bytes": budget_bytes, "max_context": max_context(r.kv_bytes, r.state_bytes, r.context, budget_bytes)}
-        for r in rows if r.context == largest and r.round == 0
+            for batch in batches:
+                for name, spec in contenders.items():
+                    if progress:
+                        progress(f"{name} @ {context}" + (f" x {batch}" if len(batches) > 1 else "")
+                                 + (f" (round {round + 1}/{rounds})" if rounds > 1 else ""))
+                    rows.append(measure(spec.model, name, context, spec.cache, decode_steps, round=round, batch=batch,
+                                        compiled=spec.compiled))
+    ratios = [
+        {"model": name, "baseline": baseline, "context": context, "batch": batch,
+         **_ratios_over_rounds(rows, name, baseline, context, batch, rounds)}
+        for baseline in baselines for batch in batches for context in contexts for name in contenders if name not in baselines
     ]
     return {
-        "baselines": baselines, "contexts": contexts, "decode_steps": decode_steps, "rounds": rounds,
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "measurements": [r.to_dict() for r in rows], "ratios": ratios, "cache_budget": budgets,
+        "baselines": baselines, "contexts": contexts, "batches": list(batches), "decode_steps": decode_steps,
+        "rounds": rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "dtype": str(next(iter(contenders.values())).model.dtype).removeprefix("torch."),
+        "measurements": [r.to_dict() for r in rows], "ratios": ratios,
+        "cache_budget": _budgets(rows, max(contexts), min(batches), budget_bytes),
+        "compile_s": compile_s, "skipped": skipped,
     }
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {lines[0]}" if lines else "")
+
+
+def _budgets(rows: list[Measurement], context: int, batch: int, budget_bytes: int) -> list[dict]:
+    """Per model, from its first-round measurement at `context` and `batch`: the longest
+    context one sequence's cache fits in `budget_bytes`, and the largest batch at `context`."""
+    out = []
+    for r in rows:
+        if r.context == context and r.batch == batch and r.round == 0:
+            per_sequence = r.cache_bytes / r.batch
+            out.append({"model": r.model, "budget_bytes": budget_bytes, "context": context,
+                        "max_context": max_context(r.kv_bytes / r.batch, r.state_bytes / r.batch, context, budget_bytes),
+                        "bytes_per_sequence": per_sequence, "max_batch": max_batch(per_sequence, budget_bytes)})
+    return out
 
 
 RATIOS = {  # ratio name -> the measurement field divided: contender / baseline
     "cache_bytes_ratio": "cache_bytes",
-    "decode_speedup": "decode_tokens_per_s",
+    "decode_speedup": "decode_tokens_per_s",  # at equal batches, also the ratio of total tokens/s
     "prefill_time_ratio": "prefill_s",
     "peak_memory_ratio": "peak_memory_bytes",
 }
 
 
-def _ratios_over_rounds(rows: list[Measurement], name: str, baseline: str, context: int, rounds: int) -> dict:
+def _ratios_over_rounds(rows: list[Measurement], name: str, baseline: str, context: int, batch: int, rounds: int) -> dict:
     """Each ratio's median over rounds, and its range (`<ratio>_min`, `<ratio>_max`)."""
-    pick = {(r.model, r.round): r for r in rows if r.context == context}
+    pick = {(r.model, r.round): r for r in rows if r.context == context and r.batch == batch}
     out = {}
     for key, field in RATIOS.items():
         values = [getattr(pick[(name, i)], field) / max(getattr(pick[(baseline, i)], field), 1e-12) for i in range(rounds)]
@@ -188,28 +303,48 @@ def _ratios_over_rounds(rows: list[Measurement], name: str, baseline: str, conte
     return out
 
 
+MEDIAN_FIELDS = ("prefill_s", "decode_tokens_per_s", "decode_total_tokens_per_s", "kv_bytes", "kv_reserved_bytes",
+                 "state_bytes", "cache_bytes", "peak_memory_bytes")
+
+
 def median_measurements(result: dict) -> list[dict]:
-    """One row per (model, context): each field's median over the rounds of `compare`'s result."""
+    """One row per (model, context, batch): each field's median over the rounds of
+    `compare`'s result (a bench.json written before batches counts as batch 1)."""
     groups: dict[tuple, list[dict]] = {}
     for row in result["measurements"]:
-        groups.setdefault((row["model"], row["context"]), []).append(row)
+        groups.setdefault((row["model"], row["context"], row.get("batch", 1)), []).append(row)
     out = []
-    for (model, context), members in groups.items():
-        row = {"model": model, "context": context, "rounds": len(members)}
-        for field in ("prefill_s", "decode_tokens_per_s", "kv_bytes", "kv_reserved_bytes", "state_bytes", "cache_bytes", "peak_memory_bytes"):
-            row[field] = statistics.median(m[field] for m in members)
+    for (model, context, batch), members in groups.items():
+        row = {"model": model, "context": context, "batch": batch, "rounds": len(members)}
+        for field in MEDIAN_FIELDS:
+            if field in members[0]:
+                row[field] = statistics.median(m[field] for m in members)
         out.append(row)
     return out
 
 
+BASELINES = {  # name -> how the original runs: transformers' default cache, a static cache, and compiled
+    "original": ("dynamic", False),
+    "original+static-cache": ("static", False),
+    "original+static-cache+compiled": ("static", True),
+}
+
+
 def against_original(converted: dict[str, Any], original, config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """`compare` the converted models (`name -> model`) with their original, which runs
-    with transformers' dynamic cache (`original`) and with a static cache
-    (`original+static-cache`); both are baselines."""
+    with transformers' dynamic cache (`original`), with a static cache
+    (`original+static-cache`) and, with `config.compile`, with a static cache and compiled
+    decode steps (`original+static-cache+compiled`); all are baselines. Every model must
+    be in `config.dtype`."""
     limit = original.config.max_position_embeddings
     if max(config.contexts) + config.decode_steps + 8 > limit:
         raise ConfigError(f"--context {max(config.contexts)} plus decoding exceeds the model's {limit} positions")
-    contenders = {"original": (original.eval(), "dynamic"), "original+static-cache": (original, "static")}
-    contenders.update({name: (model.eval(), "hybrid") for name, model in converted.items()})
-    return compare(contenders, ["original", "original+static-cache"], list(config.contexts), config.decode_steps,
-                   budget_bytes=int(config.budget_gib * (1 << 30)), rounds=config.rounds, progress=progress)
+    for name, model in {"the original": original, **converted}.items():
+        require(model.dtype == config.torch_dtype, f"{name} is in {model.dtype}, the benchmark in {config.dtype}")
+    contenders = {name: Contender(original.eval(), cache, compiled) for name, (cache, compiled) in BASELINES.items()
+                  if config.compile or not compiled}
+    baselines = list(contenders)
+    contenders.update({name: Contender(model.eval(), "hybrid") for name, model in converted.items()})
+    return compare(contenders, baselines, list(config.contexts), config.decode_steps,
+                   budget_bytes=int(config.budget_gib * (1 << 30)), rounds=config.rounds, progress=progress,
+                   batches=list(config.batches))

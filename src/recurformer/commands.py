@@ -124,12 +124,13 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
 
 def bench_command(directories: list[str], out: str, config: BenchConfig = BenchConfig(), baseline: str | None = None,
                   plot: str | None = None) -> dict:
-    """Cache, prefill, decode and memory of converted models against their original."""
+    """Cache, prefill, decode and memory of converted models against their original, all
+    loaded in `config.dtype`."""
     check_output(out, directories, SMALL_OUTPUT_BYTES, folder=False)
     if plot:
         check_output(plot, directories, folder=False, flag="--plot")
-    converted = {str(d): load_converted(d)[0] for d in directories}
-    original = load_teacher(next(iter(converted.values())), baseline)
+    converted = {str(d): load_converted(d, dtype=config.torch_dtype)[0] for d in directories}
+    original = load_teacher(next(iter(converted.values())), baseline, dtype=config.torch_dtype)
     result = against_original(converted, original, config, progress=lambda m: print(f"bench: {m}", flush=True))
     write_json_atomic(out, result)
     if plot:

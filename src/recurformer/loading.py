@@ -21,13 +21,13 @@ from .surgery import model_fingerprint
 RECURFORMER_TYPE = "recurformer"
 
 
-def load_checked(directory: str | Path):
-    """(model in fp32 eval mode, tokenizer) of a model directory, its files checked first
+def load_checked(directory: str | Path, dtype: torch.dtype = torch.float32):
+    """(model in `dtype` (fp32) eval mode, tokenizer) of a model directory, its files checked first
     (`checks.check_model_folder`) and its weights after loading (no NaN or inf)."""
     directory = Path(directory)
     check_model_folder(directory)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     except SafetensorError as error:  # a header that passed our check but not the library's (overlapping tensors)
         raise DamagedFileError(f"{directory}: its weights cannot be read ({str(error).splitlines()[0]})") from None
     files = weight_files(directory)
@@ -35,11 +35,11 @@ def load_checked(directory: str | Path):
     return model, AutoTokenizer.from_pretrained(directory)
 
 
-def load_model(name_or_path: str, progress: bool = True):
-    """(model in fp32 eval mode, tokenizer, local directory) for a path, a known name or a
+def load_model(name_or_path: str, progress: bool = True, dtype: torch.dtype = torch.float32):
+    """(model in `dtype` (fp32) eval mode, tokenizer, local directory) for a path, a known name or a
     hub id (`org/name`, `org/name@revision`)."""
     directory = resolve_model(name_or_path, progress=progress)
-    model, tokenizer = load_checked(directory)
+    model, tokenizer = load_checked(directory, dtype)
     return model, tokenizer, directory
 
 
@@ -54,14 +54,14 @@ def is_converted(path: str | Path) -> bool:
     return present and read_json_object(config, "config").get("model_type") == RECURFORMER_TYPE
 
 
-def load_converted(directory: str | Path):
-    """(RecurFormer model in fp32, tokenizer) from a directory written by convert or train."""
+def load_converted(directory: str | Path, dtype: torch.dtype = torch.float32):
+    """(RecurFormer model in `dtype` (fp32), tokenizer) from a directory written by convert or train."""
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{directory}: not a model directory (no config.json)")
     if not is_converted(path):
         raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
-    return load_checked(path)
+    return load_checked(path, dtype)
 
 
 def load_any(name_or_path: str):
@@ -72,9 +72,9 @@ def load_any(name_or_path: str):
     return model, tokenizer
 
 
-def load_teacher(student, teacher: str | None = None):
+def load_teacher(student, teacher: str | None = None, dtype: torch.dtype = torch.float32):
     """The original model `student` was converted from (`teacher` overrides the recorded
-    name), checked by its weight fingerprint."""
+    name), checked by its weight fingerprint, in `dtype` (fp32)."""
     name = teacher or student.config.source_model
     if not name:
         raise ConfigError("the model does not record the model it was converted from; pass --teacher")
@@ -82,6 +82,11 @@ def load_teacher(student, teacher: str | None = None):
     expected = student.config.source_fingerprint
     if expected and model_fingerprint(model) != expected:
         raise ConfigError(f"teacher {name} is not the model this one was converted from (fingerprint mismatch)")
+    if dtype != torch.float32:
+        # The fingerprint is of the fp32 weights; loading in `dtype` (rather than casting the
+        # fp32 model) keeps what transformers keeps in fp32, such as the rotary frequencies.
+        del model
+        model = load_model(name, progress=False, dtype=dtype)[0]
     return model
 
 

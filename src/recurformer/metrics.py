@@ -41,15 +41,24 @@ class RunResults:
         """The context of the headline bench numbers: the largest measured."""
         return max(self.bench["contexts"])
 
+    @property
+    def bench_batch(self) -> int:
+        """The batch of the headline bench numbers: the smallest measured (a run measures batch 1)."""
+        return min(self.bench.get("batches", [1]))
+
+    def _headline(self, row: dict) -> bool:
+        return row["context"] == self.bench_context and row.get("batch", 1) == self.bench_batch
+
     def measurement(self, model: str, field: str) -> Any:
-        """`field` of `model`'s first-round measurement at `bench_context`."""
+        """`field` of `model`'s first-round measurement at `bench_context` and `bench_batch`."""
         return next(r[field] for r in self.bench["measurements"]
-                    if r["model"] == model and r["context"] == self.bench_context and r.get("round", 0) == 0)
+                    if r["model"] == model and self._headline(r) and r.get("round", 0) == 0)
 
     def ratio(self, baseline: str, field: str) -> float:
-        """The final model's `field` ratio against `baseline` at `bench_context` (median over rounds)."""
+        """The final model's `field` ratio against `baseline` at `bench_context` and
+        `bench_batch` (median over rounds)."""
         return next(r[field] for r in self.bench["ratios"]
-                    if r["baseline"] == baseline and r["model"] == self.final and r["context"] == self.bench_context)
+                    if r["baseline"] == baseline and r["model"] == self.final and self._headline(r))
 
     def max_context(self, model: str) -> int:
         return next(b["max_context"] for b in self.bench["cache_budget"] if b["model"] == model)

@@ -51,29 +51,47 @@ def plot_head_heatmap(scores: HeadScores, path: str | Path, spec: ReplacementSpe
 
 
 def plot_bench(result: dict, path: str | Path) -> None:
-    """Two panels: cache bytes against context (log-log), decode tokens/s per context."""
+    """Cache bytes per sequence against context (log-log) and decode tokens/s per context,
+    at the smallest batch; with several batches, a third panel: the batch's total decode
+    tokens/s against the batch size, at the longest context."""
     rows = median_measurements(result)
     names = list(dict.fromkeys(r["model"] for r in rows))
-    contexts = result["contexts"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    contexts, batches = result["contexts"], result.get("batches", [1])
+    first = min(batches)
+    figure, axes = plt.subplots(1, 2 + (len(batches) > 1), figsize=(5.5 * (2 + (len(batches) > 1)), 4))
+    left, right = axes[0], axes[1]
     for name in names:
-        mine = [r for r in rows if r["model"] == name]
-        left.plot([r["context"] for r in mine], [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=Path(name).name)
+        mine = [r for r in rows if r["model"] == name and r["batch"] == first]
+        left.plot([r["context"] for r in mine], [r["cache_bytes"] / r["batch"] / 2**20 for r in mine], marker="o",
+                  label=Path(name).name)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("context (tokens)")
-    left.set_ylabel("cache (MiB)")
+    left.set_ylabel("cache per sequence (MiB)")
     left.set_title("cache size", fontsize=10)
     left.legend(fontsize=7)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        speeds = [next(r["decode_tokens_per_s"] for r in rows if r["model"] == name and r["context"] == c) for c in contexts]
+        speeds = [next(r["decode_tokens_per_s"] for r in rows if r["model"] == name and r["context"] == c and r["batch"] == first)
+                  for c in contexts]
         right.bar([j + i * width for j in range(len(contexts))], speeds, width, label=Path(name).name)
     right.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(contexts))], [str(c) for c in contexts])
     right.set_xlabel("context (tokens)")
-    right.set_ylabel("decode tokens/s (median)" + (f", median of {result['rounds']} rounds" if result.get("rounds", 1) > 1 else ""))
-    right.set_title("decode speed, batch 1", fontsize=10)
+    right.set_ylabel("decode tokens/s per sequence (median)" + (f", median of {result['rounds']} rounds" if result.get("rounds", 1) > 1 else ""))
+    right.set_title(f"decode speed, batch {first}", fontsize=10)
     right.legend(fontsize=7, loc="lower left")
+    if len(batches) > 1:
+        longest = max(contexts)
+        for name in names:
+            mine = sorted((r for r in rows if r["model"] == name and r["context"] == longest), key=lambda r: r["batch"])
+            axes[2].plot([r["batch"] for r in mine], [r["decode_total_tokens_per_s"] for r in mine], marker="o",
+                         label=Path(name).name)
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xticks(batches, [str(b) for b in batches])
+        axes[2].set_xlabel("batch (sequences decoded together)")
+        axes[2].set_ylabel("decode tokens/s, whole batch (median)")
+        axes[2].set_title(f"batched decode at {longest:,} tokens", fontsize=10)
+        axes[2].legend(fontsize=7)
     save_figure(figure, path)
 
 
