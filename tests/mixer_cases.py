@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from recurformer.config import MixerConfig
+from recurformer.config import MIXER_KINDS, MixerConfig
 from recurformer.mixers import HeadShape, build_mixer
 
 D_IN = 24
@@ -24,6 +24,9 @@ CONFIGS = {
     "window+linear": MixerConfig(kind="window+linear", window=6, sinks=2, feature_dim=5),
     "window+linear-no-sinks": MixerConfig(kind="window+linear", window=4, sinks=0),
 }
+# Every registered kind without a case above gets one, in its default shape at test sizes.
+CONFIGS |= {kind: MixerConfig(kind=kind, window=6, sinks=2, ssd_chunk=8, feature_dim=5)
+            for kind in MIXER_KINDS if kind not in {c.kind for c in CONFIGS.values()}}
 
 
 def make_mixer(case: str, heads: HeadShape = HEADS, seed: int = 0):

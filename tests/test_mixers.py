@@ -78,6 +78,8 @@ def test_left_padding_does_not_change_outputs_or_state(case):
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_gradients_reach_every_parameter(case):
     mixer = make_mixer(case)
+    if not list(mixer.parameters()):
+        pytest.skip("a kind without parameters")
     mixer(torch.randn(2, 20, D_IN), position_embeddings=rope(positions_for(2, 20))).square().mean().backward()
     missing = [name for name, p in mixer.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing

@@ -37,11 +37,13 @@ def test_a_window_longer_than_the_sequence_reproduces_the_original(arch, attn, b
     assert (logits(converted, ids) - logits(model, ids)).abs().max() <= 1e-5
 
 
-# Every (beta, prompt) pair for mamba; for the other mixers every beta and every prompt
-# length once, to keep the suite fast.
+# Every (beta, prompt) pair for mamba; for mamba2 and window every beta and every prompt
+# length once; for every other registered kind the shortest and the longest prompt, to keep
+# the suite fast.
 DECODE_CASES = [("mamba", beta, prompt) for beta in (0.25, 0.5, 1.0) for prompt in (1, 63, 300)] + [
     (mixer, beta, prompt) for mixer in ("mamba2", "window") for beta, prompt in ((0.25, 63), (0.5, 1), (0.5, 300), (1.0, 63))
-] + [(mixer, beta, prompt) for mixer in ("window+mamba", "window+mamba2", "window+linear") for beta, prompt in ((0.5, 1), (1.0, 300))]
+] + [(mixer, beta, prompt) for mixer in sorted(set(MIXERS) - {"mamba", "mamba2", "window"})
+     for beta, prompt in ((0.5, 1), (1.0, 300))]
 
 
 @pytest.mark.parametrize("mixer, beta, prompt", DECODE_CASES)
@@ -116,6 +118,7 @@ def test_generate_batched_left_padding_and_sampling():
 
 
 SAVED_MIXERS = {
+    **MIXERS,  # every registered kind; those below with values other than their defaults
     "mamba": MixerConfig(kind="mamba", d_state=4, expand=2.0),
     "mamba2": MixerConfig(kind="mamba2", ssd_state=6, ssd_chunk=8, ssd_norm=False),
     "window": MixerConfig(kind="window", window=7, sinks=1),
@@ -174,7 +177,8 @@ def test_a_model_saved_before_the_new_mixers_loads(tmp_path):
 
 CACHE_CASES = [("mamba", beta) for beta in (0.25, 0.5, 1.0)] + [
     ("mamba2", 0.5), ("window", 0.5), ("window", 1.0), ("window+mamba", 0.5), ("window+mamba2", 1.0), ("window+linear", 0.5)
-]
+] + [(mixer, 0.5) for mixer in sorted(set(MIXERS) - {"mamba", "mamba2", "window", "window+mamba", "window+mamba2",
+                                                      "window+linear"})]
 
 
 @pytest.mark.parametrize("mixer, beta", CACHE_CASES)
@@ -198,7 +202,10 @@ def test_cache_bytes(arch, mixer, beta):
         head_dim = converted.hybrid_attentions()[0].head_dim
         replaced = [len(spec.replaced_heads(l)) for l in range(spec.num_layers)]
         assert state_bytes == {sum(2 * (2 * slots * g * head_dim * 4 + slots * 8) for g in replaced if g)}
-    assert (state_bytes.pop() > 0) == (beta > 0)
+    # the cache holds exactly the states the mixers allocate
+    declared = sum(t.numel() * t.element_size() for attention in converted.hybrid_attentions() if attention.mixer
+                   for t in attention.mixer.allocate_state(2, torch.float32, "cpu").values())
+    assert state_bytes == {declared} and (declared > 0) == (beta > 0)
 
 
 def test_a_plain_dynamic_cache_is_refused():

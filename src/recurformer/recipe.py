@@ -13,6 +13,7 @@ the pipeline, the benchmarks that train like `run` and the run's report all read
 | `mamba2` | mamba2 | as `mixers` | as `mixers` at 2e-4 (1e-3 diverges: docs/mixers.md) |
 | `tail` | window+mamba, window+linear | the tail only, 5e-3, 4 x 1,024 tokens | the tail only, on the KL alone, 1e-3 |
 | `tail-mamba2` | window+mamba2 | as `tail` | as `tail` at 2e-4 |
+| (none) | a kind with nothing to train | `run` refuses the kind (`Mixer.recipe = None`) | |
 
 The tail recipes train only what sees beyond the window (`Mixer.tail_parameters`: the
 recurrent branch and its gate): the window keeps the replaced heads' own weights, so the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .config import require
 from .mixers import MIXERS
 from .train import TrainConfig
 
@@ -117,5 +119,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
 
 def recipe_for(kind: str) -> Recipe:
     """The recipe `run` trains a conversion to mixer `kind` with (the kind's `Mixer.recipe`)."""
-    return RECIPES[MIXERS[kind].recipe]
+    name = MIXERS[kind].recipe
+    require(name is not None, f"--mixer {kind} has no parameters to train, so `run` cannot train it; "
+                              "use `recurformer convert` and `recurformer eval`")
+    return RECIPES[name]
 

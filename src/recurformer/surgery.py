@@ -182,7 +182,8 @@ def _init_mixer(
     if init == "random":
         return
 
-    like = next(mixer.parameters())  # the heads are copied at the mixer's (fp32) precision
+    # the heads are copied at the mixer's (fp32) precision; a mixer without parameters takes them as they are
+    like = next(mixer.parameters(), attn.q_proj.weight)
 
     def heads(linear: nn.Linear, rows: Tensor) -> tuple[Tensor, Tensor | None]:
         w = linear.weight.detach()[rows].view(-1, head_dim, linear.in_features).to(like)

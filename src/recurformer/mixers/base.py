@@ -85,12 +85,13 @@ class Mixer(nn.Module):
 
     `reads`: the `MixerConfig` fields the kind reads (the command line refuses a value for
     any other, and the docs list the readers of each field from these). `recipe`: the name
-    of the recipe `recurformer run` trains the kind with (`recipe.RECIPES`).
+    of the recipe `recurformer run` trains the kind with (`recipe.RECIPES`); None for a kind
+    with nothing to train, which `run` refuses.
     """
 
     kind: str
     reads: frozenset[str] = frozenset()
-    recipe: str = "mixers"
+    recipe: str | None = "mixers"
     d_in: int
     d_out: int
 

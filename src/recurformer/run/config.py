@@ -82,6 +82,7 @@ class RunConfig:
         SelectionConfig(self.beta, self.scorer, self.seed)
         require(self.beta > 0, "--beta 0 replaces no KV group: run needs a beta in (0, 1]")
         self.mixer_config()
+        recipe_for(self.mixer)  # a kind with nothing to train is refused here, before any work
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
         require(self.budget_minutes <= MAX_BUDGET_MINUTES,
                 f"--budget-minutes must be at most {MAX_BUDGET_MINUTES:,} (a year), got {self.budget_minutes}")

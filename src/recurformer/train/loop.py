@@ -246,6 +246,9 @@ def train(
 
     set_seed(config.seed)
     module = objective.prepare(model)
+    # a mixer without parameters, or without a tail (window), leaves nothing to train
+    require(any(p.requires_grad for p in module.parameters()),
+            f"--trainable {config.trainable}: this model has no such parameters, nothing to train")
     optimizer = torch.optim.AdamW(_param_groups(module, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
     total = config.total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
