@@ -59,6 +59,16 @@ def test_bad_configuration_is_refused_up_front(texts, change, error, message):
         RunConfig(**{"data": train, "eval_data": held_out, **change})
 
 
+def test_a_missing_shared_corpus_is_named_not_skipped(tmp_path, monkeypatch):
+    from recurformer.data import DATA_ENV, EVAL_CORPORA, TRAIN_CORPORA
+    for name in TRAIN_CORPORA:  # the training corpora are there, the held-out one is not
+        (tmp_path / name).write_text("Some text of a corpus.\n")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    missing = tmp_path / EVAL_CORPORA[0]
+    with pytest.raises(DataError, match=f"data file not found: {missing} .*RECURFORMER_DATA"):
+        RunConfig()
+
+
 def test_evaluation_text_must_be_held_out(texts):
     train, held_out = texts
     with pytest.raises(ConfigError, match="--eval-data must be held out"):
@@ -272,6 +282,10 @@ def test_report_states_the_numbers_and_flags_quick_runs():
         windowed, by_key(metrics), rows, {"beta": 0.5}, bench, sections(windowed))
     assert "Quick run" in render_run_report(_metrics(True), by_key(metrics), rows, {"beta": 0.5}, bench,
                                             sections(_metrics(True)))
+    # The configuration names the corpora by file name, not by where they were on the machine.
+    placed = {"beta": 0.5, "data": ["/srv/corpora/train.txt"], "eval_data": ["/srv/corpora/test.txt"], "ood_data": []}
+    report = render_run_report(_metrics(False), by_key(metrics), rows, placed, bench, sections(_metrics(False)))
+    assert '"train.txt"' in report and '"test.txt"' in report and "/srv" not in report
 
 
 @pytest.mark.parametrize("config, window, sinks", [

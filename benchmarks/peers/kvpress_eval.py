@@ -21,7 +21,7 @@ so that the press keeps `n` tokens of an 8,192-token prefill, `n * bytes per tok
 cache bytes of our row named by `--match` (e.g. `window64-b0.5`). Rows already in `--out` are
 kept, not recomputed.
 
-    /work/peers-venv/bin/python benchmarks/peers/kvpress_eval.py --match window64-b0.5,window64-b0.75
+    $PEERS_VENV/bin/python benchmarks/peers/kvpress_eval.py --match window64-b0.5,window64-b0.75
 
 `--ruler PROBLEMS` measures the retrieval comparison instead ("Retrieval at equal cache bytes"):
 the problem set of `benchmarks/peers/ruler_problems.py` (RULER at 4K, passkey at 1K/2K/4K),
@@ -31,7 +31,7 @@ context; answers as `ruler_peers.py` answers (context prefilled with the press o
 uncompressed, greedy until an EOS id of the problem set, a blank line or the problem's
 `max_new_tokens`); rows and problems already in `--out` are kept, so a run resumes.
 
-    /work/peers-venv/bin/python benchmarks/peers/kvpress_eval.py --ruler runs/ruler-problems.json \
+    $PEERS_VENV/bin/python benchmarks/peers/kvpress_eval.py --ruler runs/ruler-problems.json \
         --budgets 0.5,0.25 --presses expected-attention,snapkv,kvzip,tova,knorm
 """
 

@@ -23,7 +23,7 @@ retrieval groups, the others windowed 64 + 4 sinks); trained models given as
 Rows already in `--out` are kept, not recomputed.
 
     python -m benchmarks.peers.ours --rows original,window64-b0.5,streaming-b0.5 \\
-        --model wm2-b0.5-trained=/work/runs/wm2-b05-s40-16/final
+        --model wm2-b0.5-trained=runs/wm2-b05-s40-16/final
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from .bench import BenchConfig, against_original
 from .checks import require_finite
 from .config import MixerConfig, option, require
-from .data import DataError, check_length, load_documents, token_sequences
+from .data import check_length, load_documents, not_found, token_sequences
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
@@ -111,7 +111,7 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
     settings = make_options(chosen, {**options, **argument})
     missing = [path for path in getattr(settings, "data", []) if not Path(path).is_file()]
     if missing:  # before the model loads, not after
-        raise DataError(f"data file not found: {missing[0]}")
+        raise not_found(missing[0])
     if out:
         check_output(out, [model_path(model), *getattr(settings, "data", [])], SMALL_OUTPUT_BYTES, folder=False)
     net, tokenizer = load_any(model)

@@ -41,11 +41,24 @@ class DataError(RecurformerError, ValueError):
     """A data file is missing, empty or malformed, or a length does not fit the model."""
 
 
-def shared_corpora(names: tuple[str, ...]) -> list[str]:
-    """The files `names` found in `$RECURFORMER_DATA`, else in `../shared/data` (the
+def corpora_folder() -> Path:
+    """Where the shared corpora are: `$RECURFORMER_DATA`, else `../shared/data` (the
     project's offline corpora, seen from the repository root)."""
-    folder = Path(os.environ.get(DATA_ENV, "../shared/data"))
-    return [str(folder / name) for name in names if (folder / name).is_file()]
+    return Path(os.environ.get(DATA_ENV, "../shared/data"))
+
+
+def shared_corpora(names: tuple[str, ...]) -> list[str]:
+    """The paths of the corpora `names` in `corpora_folder()`, present or not: a missing one
+    is an error when it is read (`not_found`), never silently left out."""
+    return [str(corpora_folder() / name) for name in names]
+
+
+def not_found(path: str | Path) -> DataError:
+    """The error for a data file that is not there; for a shared corpus, where it was looked for."""
+    message = f"data file not found: {path}"
+    if Path(path).parent == corpora_folder():
+        message += f" (the shared corpora are read from ${DATA_ENV}, else ../shared/data; or pass the file)"
+    return DataError(message)
 
 
 # [ours] a longer document is tokenized in pieces (`_cut`): a fast tokenizer holds about 270
@@ -137,7 +150,7 @@ class Corpus(Documents):
             except OSError as error:  # a name too long for a path
                 raise DataError(f"data file {str(path)[:60]}...: {error.strerror}") from None
             if not present:
-                raise DataError(f"data file not found: {path}")
+                raise not_found(path)
             if not self._has_text(path):
                 raise DataError(f"data file is empty: {path}")
 

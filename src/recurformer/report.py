@@ -112,6 +112,13 @@ def plot_loss_curves(logs: dict[str, Path], path: str | Path) -> None:
     save_figure(figure, path)
 
 
+def portable(config: dict) -> dict:
+    """The run's configuration with its text files named by file name only: a report says
+    which corpora it read, not where they were on the machine it ran on."""
+    return {key: [Path(p).name for p in value] if key in ("data", "eval_data", "ood_data") and isinstance(value, list)
+            else value for key, value in config.items()}
+
+
 def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], config: dict, bench: dict,
                       sections: list[tuple[str, list[str]]]) -> str:
     """The Markdown report of a run: the summary table (`rows` over the `metrics` values,
@@ -190,7 +197,7 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "## Configuration",
         "",
         "```json",
-        json.dumps(config, indent=1),
+        json.dumps(portable(config), indent=1),
         "```",
         "",
         "All numbers are in `metrics.json` (see docs/run.md for each key); re-running the same command "

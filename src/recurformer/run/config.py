@@ -11,7 +11,7 @@ from typing import Any
 from ..ablation import AblationConfig
 from ..bench import BenchConfig
 from ..config import ConfigError, MixerConfig, option, parse_ssd_state, parse_window, require
-from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, DataError, shared_corpora
+from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, not_found, shared_corpora
 from ..loading import check_convertible
 from ..mixers import resolve_for_model
 from ..recipe import Recipe, recipe_for
@@ -96,7 +96,7 @@ class RunConfig:
             self.lr = tuple(self.lr)
         for path in [*self.data, *self.eval_data, *self.ood_data]:
             if not Path(path).is_file():
-                raise DataError(f"data file not found: {path}")
+                raise not_found(path)
 
     def mixer_config(self) -> MixerConfig:
         """The mixer of the conversion: `mixer` with `window`, `sinks` and `ssd_state` where
