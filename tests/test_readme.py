@@ -42,7 +42,7 @@ def quality_rows(m: dict) -> dict[str, list[str]]:
         "perplexity, held-out text": ppl("ppl"),
         "perplexity, out-of-domain text (never trained on)": ppl("ppl_ood"),
         f"perplexity beyond {m['ppl_far_from']:,} tokens (held-out, {m['ppl_far_context']:,}-token sequences)": ppl("ppl_far"),
-        f"RULER mix at {m['ruler_context']:,} tokens (3 needle tasks, 0-100)":
+        f"RULER mix at {m['ruler_context']:,} tokens ({m['ruler_tasks']} needle tasks x {m['ruler_problems']} problems, 0-100)":
             [f"{m['ruler_original']:.1f}", f"{m['ruler_final']:.1f}", f"{m['ruler_baseline']:.1f}"],
         f"cache at {m['bench_context']:,} tokens": [f"{m['cache_bytes_original'] / mib:.1f} MiB",
                                                     f"{m['cache_bytes_final'] / mib:.1f} MiB ({m['cache_ratio']:.3f}x)",
@@ -50,7 +50,7 @@ def quality_rows(m: dict) -> dict[str, list[str]]:
         f"decode tokens/s at {m['bench_context']:,} tokens":
             [f"{m['decode_tokens_per_s_original']:.1f}",
              f"{m['decode_tokens_per_s_final']:.1f} ({m['decode_speedup']:.2f}x; "
-             f"{m['decode_speedup_vs_static_cache']:.2f}x a static cache)", ""],
+             f"{m['decode_speedup_vs_static_cache']:.2f}x against a static cache)", ""],
         "`make demo`, minutes on 2 cores": ["", f"{m['total_minutes']:.1f}", ""],
     }
 
@@ -61,8 +61,8 @@ def speed_rows(bench: dict) -> dict[str, list[str]]:
     for ratio in bench["ratios"]:
         if ratio["baseline"] != "original+static-cache" or ratio.get("batch", 1) != 1:
             continue
-        beta = re.search(r"beta([0-9.]+)", ratio["model"]).group(1)
-        rows.setdefault(f"default conversion, beta {beta}", {})[ratio["context"]] = f"{ratio['decode_speedup']:.2f}x"
+        kind, beta = re.fullmatch(r"(.+)-beta([0-9.]+)", Path(ratio["model"]).name).groups()  # the variant's folder
+        rows.setdefault(f"`{kind}`, beta {beta}", {})[ratio["context"]] = f"{ratio['decode_speedup']:.2f}x"
     return {name: [cells[c] for c in sorted(cells)] for name, cells in rows.items()}
 
 
