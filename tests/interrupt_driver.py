@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -84,6 +85,9 @@ def limit_stages(until: str) -> None:
 
 
 def main() -> int:
+    # Ctrl-C as a terminal delivers it, even when the tests run as a background job (whose
+    # children start with SIGINT ignored, so Python would install no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold")
     parser.add_argument("--ready", type=Path)
