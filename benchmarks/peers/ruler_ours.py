@@ -27,7 +27,7 @@ holds at C tokens (its kept K/V grow with C, its mixer state does not). Rows (`-
 and `original`. Rows and problems already in `--out` are kept: an interrupted run resumes.
 
     OMP_NUM_THREADS=1 python -m benchmarks.peers.ruler_ours \\
-        --budget 0.5=runs/demo05/final --budget 0.25=runs/demo075/final \\
+        --budget 0.5=runs/demo/final --budget 0.25=runs/demo075/final \\
         --rows original,conversion@0.5,window@0.5,duo@0.5,streaming@0.5 --compose-base 0.5
 """
 
