@@ -266,3 +266,43 @@ def test_bad_bench_values_are_one_line_errors(converted_dir, capsys, flags, mess
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert err.rstrip("\n").split("\n")[-1] == f"recurformer bench: error: {message}"
     assert not (converted_dir / "never.json").exists()
+
+
+def test_prefill_once_decodes_every_round_from_a_copy_of_one_prefilled_cache(monkeypatch):
+    from recurformer import bench
+
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="window+mamba2", window=8, sinks=1, ssd_chunk=8),
+                        init="random")
+    prefills, starts = [], []
+    for net in (model, converted):
+        forward = net.forward
+
+        def counting(*args, _forward=forward, **kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is not None and ids.shape[1] > 1:
+                prefills.append(ids.shape)
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(net, "forward", counting)
+    decode = bench._decode
+
+    def recording(model, step_call, cache, *args):
+        starts.append(int(cache.get_seq_length()))
+        return decode(model, step_call, cache, *args)
+
+    monkeypatch.setattr(bench, "_decode", recording)
+    result = compare({"original": (model, "dynamic"), "half": (converted, "hybrid")}, ["original"], [24], decode_steps=3,
+                     rounds=3, batches=[2], prefill_once=True)
+    assert len(prefills) == 2 + 2  # one warm-up and one measured prefill per model
+    measured = starts[2:]  # after the two warm-ups
+    assert measured == [24] * 6  # every round of both models starts from the prefilled cache, not after a decode
+    rows = result["measurements"]
+    assert sorted((r["model"], r["round"]) for r in rows) == sorted((m, i) for m in ("original", "half") for i in range(3))
+    for name in ("original", "half"):
+        mine = [r for r in rows if r["model"] == name]
+        assert len({r["prefill_s"] for r in mine}) == 1 and all(r["peak_memory_bytes"] is None for r in mine)
+    (ratio,) = result["ratios"]
+    assert "peak_memory_ratio" not in ratio and ratio["decode_speedup_min"] <= ratio["decode_speedup"] <= ratio["decode_speedup_max"]
+    assert result["prefill_once"] is True
+    assert all("peak_memory_bytes" not in row for row in median_measurements(result))

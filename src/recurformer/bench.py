@@ -27,6 +27,7 @@ from the speed, which counts only the timed steps.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -84,6 +85,9 @@ class BenchConfig:
     dtype: str = option("float32", f"dtype both models are loaded in ({', '.join(DTYPES)})", parse=parse_dtype)
     compile: bool = option(False, "also time the original's static-cache decode under torch.compile, as generate "
                            "compiles it (compile time reported apart)")
+    prefill_once: bool = option(False, "prefill each model once per context and batch and decode every round from a "
+                                "copy of that cache (large batches: the prefill takes minutes; peak memory not "
+                                "measured)")
 
     def __post_init__(self) -> None:
         require(bool(self.contexts) and min(self.contexts) >= 1, f"--context: expected positive integers, got {self.contexts}")
@@ -112,7 +116,7 @@ class Measurement:
     kv_reserved_bytes: int
     state_bytes: int
     cache_bytes: int
-    peak_memory_bytes: int
+    peak_memory_bytes: int | None  # None: not measured (a shared prefill, `measure`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,33 +178,57 @@ def _inputs(model, ids: Tensor, cache, mask: Tensor, positions: Tensor, first: b
 @torch.no_grad()
 def measure(
     model, name: str, context: int, cache: str, decode_steps: int = 32, warmup: int = 4, seed: int = 0, round: int = 0,
-    batch: int = 1, compiled: bool = False,
-) -> Measurement:
+    batch: int = 1, compiled: bool = False, repeats: int = 1,
+) -> list[Measurement]:
     """Prefill `batch` random prompts of `context` tokens (left-padded, see `padded_prompts`),
-    then decode greedily; `compiled`: the decode steps through `get_compiled_call`."""
+    then decode greedily; `compiled`: the decode steps through `get_compiled_call`.
+
+    `repeats` > 1 prefills once and decodes `repeats` times, each time from a copy of the
+    prefilled cache (rounds `round`, `round + 1`, ...): every repeat shares the one prefill
+    time, and peak memory is not measured (the copy would count in it; `None`)."""
     require(not compiled or warmup >= 1, "a compiled decode needs at least one untimed step (it compiles)")
     ids, mask = padded_prompts(model.config.get_text_config().vocab_size, batch, context, seed)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     step_call = model.get_compiled_call(CompileConfig()) if compiled else model
     with PeakMemory(interval=0.002, settle=True) as memory:
-        cache = new_cache(model, cache, context + warmup + decode_steps + 1)
+        prefilled = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()
-        out = model(**_inputs(model, ids, cache, mask, positions, first=True), logits_to_keep=1)
+        out = model(**_inputs(model, ids, prefilled, mask, positions, first=True), logits_to_keep=1)
         prefill = time.perf_counter() - start
-        kv, reserved, state = cache_bytes(cache)
+        kv, reserved, state = cache_bytes(prefilled)
+        first = out.logits[:, -1:].argmax(-1)
+        del out
+        if repeats == 1:
+            times = _decode(model, step_call, prefilled, first, mask, positions, warmup + decode_steps)
+    if repeats == 1:
+        all_times, peak = [times], memory.growth
+    else:
+        all_times = [_decode(model, step_call, copy.deepcopy(prefilled), first, mask, positions, warmup + decode_steps)
+                     for _ in range(repeats)]
+        peak = None
+    del prefilled
+    rows = []
+    for offset, times in enumerate(all_times):
+        step = statistics.median(times[warmup:])
+        rows.append(Measurement(name, round + offset, context, batch, prefill, 1.0 / step, batch / step,
+                                max(0.0, times[0] - step) if compiled else None, kv, reserved, state, kv + state, peak))
+    return rows
+
+
+def _decode(model, step_call, cache, token: Tensor, mask: Tensor, positions: Tensor, steps: int) -> list[float]:
+    """Greedy decode `steps` tokens after `token` `[B, 1]` into `cache`; each step's seconds."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = step_call(**_inputs(model, token, cache, mask, positions, first=False))
         token = out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(warmup + decode_steps):
-            start = time.perf_counter()
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = step_call(**_inputs(model, token, cache, mask, positions, first=False))
-            token = out.logits[:, -1:].argmax(-1)
-            times.append(time.perf_counter() - start)
-    del cache, out
-    step = statistics.median(times[warmup:])
-    return Measurement(name, round, context, batch, prefill, 1.0 / step, batch / step,
-                       max(0.0, times[0] - step) if compiled else None, kv, reserved, state, kv + state, memory.growth)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+WARMUP_CONTEXT = 512  # tokens of the untimed first call: long enough to touch every code path
 
 
 def max_context(kv_bytes: int, state_bytes: int, context: int, budget_bytes: int) -> int:
@@ -219,18 +247,21 @@ def max_batch(bytes_per_sequence: float, budget_bytes: int) -> int:
 def compare(
     contenders: dict[str, Contender | tuple], baselines: list[str], contexts: list[int],
     decode_steps: int = 32, budget_bytes: int = 1 << 30, rounds: int = 1, progress=None, batches: list[int] = (1,),
+    prefill_once: bool = False,
 ) -> dict:
     """Measure every `name -> Contender(model, cache kind, compiled)` at every context and
     batch, alternating, `rounds` times, and the ratios of every other contender to each of
     `baselines` (median over rounds). A compiled contender whose compilation fails is left
-    out, with the reason, under `skipped`."""
+    out, with the reason, under `skipped`. `prefill_once`: each contender prefills once per
+    context and batch and decodes its `rounds` from copies of that cache, one contender after
+    the other (for large batches, where the prefill takes minutes and the decode seconds)."""
     contenders = {name: Contender(*spec) for name, spec in contenders.items()}
     skipped, compile_s = [], {}
     for name, spec in list(contenders.items()):  # untimed: first calls pay one-time start-up costs (and compile)
         start = time.perf_counter()
         try:
-            measure(spec.model, "warm-up", min(contexts), spec.cache, decode_steps=2, warmup=1, batch=min(batches),
-                    compiled=spec.compiled)
+            measure(spec.model, "warm-up", min(*contexts, WARMUP_CONTEXT), spec.cache, decode_steps=2, warmup=1,
+                    batch=min(batches), compiled=spec.compiled)
         except Exception as error:  # torch.compile fails in many ways: no C++ compiler, an op it cannot trace, ...
             if not spec.compiled:
                 raise
@@ -241,15 +272,15 @@ def compare(
             compile_s[name] = time.perf_counter() - start
     baselines = [b for b in baselines if b in contenders]
     rows: list[Measurement] = []
-    for round in range(rounds):
+    for round in range(1 if prefill_once else rounds):
         for context in contexts:
             for batch in batches:
                 for name, spec in contenders.items():
                     if progress:
                         progress(f"{name} @ {context}" + (f" x {batch}" if len(batches) > 1 else "")
-                                 + (f" (round {round + 1}/{rounds})" if rounds > 1 else ""))
-                    rows.append(measure(spec.model, name, context, spec.cache, decode_steps, round=round, batch=batch,
-                                        compiled=spec.compiled))
+                                 + (f" (round {round + 1}/{rounds})" if rounds > 1 and not prefill_once else ""))
+                    rows.extend(measure(spec.model, name, context, spec.cache, decode_steps, round=round, batch=batch,
+                                        compiled=spec.compiled, repeats=rounds if prefill_once else 1))
     ratios = [
         {"model": name, "baseline": baseline, "context": context, "batch": batch,
          **_ratios_over_rounds(rows, name, baseline, context, batch, rounds)}
@@ -257,7 +288,7 @@ def compare(
     ]
     return {
         "baselines": baselines, "contexts": contexts, "batches": list(batches), "decode_steps": decode_steps,
-        "rounds": rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "rounds": rounds, "prefill_once": prefill_once, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "dtype": str(next(iter(contenders.values())).model.dtype).removeprefix("torch."),
         "measurements": [r.to_dict() for r in rows], "ratios": ratios,
         "cache_budget": _budgets(rows, max(contexts), min(batches), budget_bytes),
@@ -296,6 +327,8 @@ def _ratios_over_rounds(rows: list[Measurement], name: str, baseline: str, conte
     pick = {(r.model, r.round): r for r in rows if r.context == context and r.batch == batch}
     out = {}
     for key, field in RATIOS.items():
+        if getattr(pick[(name, 0)], field) is None:
+            continue  # not measured (peak memory with a shared prefill)
         values = [getattr(pick[(name, i)], field) / max(getattr(pick[(baseline, i)], field), 1e-12) for i in range(rounds)]
         out[key] = statistics.median(values)
         if rounds > 1:
@@ -317,7 +350,7 @@ def median_measurements(result: dict) -> list[dict]:
     for (model, context, batch), members in groups.items():
         row = {"model": model, "context": context, "batch": batch, "rounds": len(members)}
         for field in MEDIAN_FIELDS:
-            if field in members[0]:
+            if members[0].get(field) is not None:
                 row[field] = statistics.median(m[field] for m in members)
         out.append(row)
     return out
@@ -347,4 +380,4 @@ def against_original(converted: dict[str, Any], original, config: BenchConfig, p
     contenders.update({name: Contender(model.eval(), "hybrid") for name, model in converted.items()})
     return compare(contenders, baselines, list(config.contexts), config.decode_steps,
                    budget_bytes=int(config.budget_gib * (1 << 30)), rounds=config.rounds, progress=progress,
-                   batches=list(config.batches))
+                   batches=list(config.batches), prefill_once=config.prefill_once)
