@@ -55,6 +55,11 @@ def parse_variant(text: str) -> tuple[str, float, dict[str, int]]:
     return mixer, beta, shape
 
 
+
+def variant_folder(mixer: str, beta: float, shape: dict[str, int]) -> str:
+    """The name of a variant's conversion folder under `--work`: `window+mamba2-beta0.5-window141`."""
+    return f"{mixer}-beta{beta}" + "".join(f"-{key}{value}" for key, value in shape.items())
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -79,8 +84,7 @@ def main() -> None:
     names = {}
     for variant in args.variants.split(","):
         mixer, beta, shape = parse_variant(variant)
-        suffix = "".join(f"-{key}{value}" for key, value in shape.items())
-        out = work / f"{mixer}-beta{beta}{suffix}"
+        out = work / variant_folder(mixer, beta, shape)
         if not (out / "config.json").exists():
             convert_command(args.model, args.scores, str(out), SelectionConfig(beta=beta, scorer=args.scorer),
                             MixerConfig(kind=mixer, **shape), force=True)

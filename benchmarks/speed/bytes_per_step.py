@@ -24,14 +24,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from recurformer import HeadScores, MixerConfig, convert, select_heads
+from recurformer import HeadScores, MixerConfig, convert
 from recurformer.bench import parse_batches
 from recurformer.checks import read_json
+from recurformer.errors import RecurformerError
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
+from recurformer.scoring import SelectionConfig
 
 from benchmarks.common import RESULTS
-from benchmarks.speed.bench import parse_variant
+from benchmarks.speed.bench import parse_variant, variant_folder
 
 BASELINE = "original+static-cache"
 
@@ -64,25 +66,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", default=str(RESULTS / "bench.json"), help="bench.py's results (cache bytes, speed-ups)")
     parser.add_argument("--scores", default=str(RESULTS / "example-run" / "scores.json"))
-    parser.add_argument("--scorer", default="ablation")
+    parser.add_argument("--scorer", default="ablation", help="how --scores selects the groups, as bench.py's --scorer")
     parser.add_argument("--variants", default="window+mamba2:0.5,window+mamba2:0.75,window:0.5,mamba:0.5",
                         help="mixer:beta,... as bench.py's; each must be in --bench (by its folder's name)")
     parser.add_argument("--batch", default="1,16", type=parse_batches)
     parser.add_argument("--out", default=str(RESULTS / "bytes-per-step.json"))
     args = parser.parse_args()
-    bench = read_json(args.bench)
+    try:
+        bench = read_json(args.bench)
+        scores = HeadScores.load(args.scores)
+    except RecurformerError as error:
+        raise SystemExit(f"bytes_per_step.py: {error}") from None
     original, _, _ = load_model("smollm2-135m", progress=False)
-    scores = HeadScores.load(args.scores)
     models = {m["model"] for m in bench["measurements"]}
     rows, weights = [], {"original": weight_bytes(original)}
     for variant in args.variants.split(","):
         mixer, beta, shape = parse_variant(variant)
-        suffix = "".join(f"-{key}{value}" for key, value in shape.items())
-        name = next((m for m in models if Path(m).name == f"{mixer}-beta{beta}{suffix}"), None)
+        name = next((m for m in models if Path(m).name == variant_folder(mixer, beta, shape)), None)
         if name is None:
             raise SystemExit(f"bytes_per_step.py: {variant} is not in {args.bench}")
-        converted = convert(original, select_heads(scores, beta),
-                            MixerConfig(kind=mixer, **shape), init="random")
+        selection = SelectionConfig(beta=beta, scorer=args.scorer).select(scores)
+        converted = convert(original, selection, MixerConfig(kind=mixer, **shape), init="random")
         weights[variant] = weight_bytes(converted)
         for context in bench["contexts"]:
             kv_o, state_o = measured_cache(bench, "original", context)
