@@ -11,6 +11,7 @@ from recurformer.cache import CACHE_ARGUMENT
 from recurformer.config import ConfigError, MixerConfig
 from recurformer.memory import PeakMemory
 from recurformer.cli import main
+from recurformer.ops.attention_step import AttentionStepKernel
 from recurformer.surgery import convert
 
 
@@ -164,19 +165,21 @@ def test_batches_give_per_sequence_and_total_speed_and_the_largest_batch_in_a_bu
 
 @pytest.mark.parametrize("decoder", ["bench", "generate"])
 def test_a_batched_decode_keeps_the_fast_paths(monkeypatch, decoder):
-    """With left padding every decode step still takes the mixer's `step` and the packed
-    attention of the kept heads, in every layer, in the benchmark and in `generate`."""
+    """With left padding every decode step still takes the mixer's `step` and a one-query
+    attention of the kept heads (their compiled step where the kernels are built, else the
+    packed attention), in every layer, in the benchmark and in `generate`."""
     model = tiny_model("llama")
     converted = convert(model, spec_for(model, 0.5), MixerConfig(kind="window+mamba2", window=8, sinks=1, ssd_chunk=8),
                         init="random")
-    calls = {"step": 0, "forward": 0, "packed": 0}
-    packed = attention.packed_decode_attention
+    calls = {"step": 0, "forward": 0, "attention": 0}
+    packed, compiled_step = attention.packed_decode_attention, AttentionStepKernel.__call__
 
-    def counting(*args, **kwargs):
-        calls["packed"] += 1
-        return packed(*args, **kwargs)
+    def counting(*args, _call=packed, **kwargs):
+        calls["attention"] += 1
+        return _call(*args, **kwargs)
 
     monkeypatch.setattr(attention, "packed_decode_attention", counting)
+    monkeypatch.setattr(AttentionStepKernel, "__call__", lambda *a, **k: counting(*a, _call=compiled_step, **k))
     for layer in converted.hybrid_attentions():
         for method in ("step", "forward"):
             original = getattr(layer.mixer, method)
@@ -190,7 +193,7 @@ def test_a_batched_decode_keeps_the_fast_paths(monkeypatch, decoder):
     layers = converted.hybrid_attentions()
     with_mixer, with_heads = sum(layer.mixer is not None for layer in layers), sum(layer.has_attention for layer in layers)
     assert with_mixer and with_heads
-    assert calls == {"step": 4 * with_mixer, "forward": with_mixer, "packed": 4 * with_heads}  # 4 steps after the prefill
+    assert calls == {"step": 4 * with_mixer, "forward": with_mixer, "attention": 4 * with_heads}  # 4 steps after the prefill
 
 
 def test_a_compiled_baseline_that_cannot_compile_is_skipped_with_its_reason(monkeypatch):

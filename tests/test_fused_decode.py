@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 
+from recurformer.attention import left_padding_starts
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.ops import kernels
 from recurformer.ops.attention_step import AttentionStepKernel
@@ -93,19 +94,49 @@ def test_compiled_decode_gives_the_torch_paths_logits_and_states(arch, kind, cal
 
 @pytest.mark.parametrize("kind", ["window", "window+mamba2"])
 def test_left_padded_rows_decode_at_their_own_positions(kind, calls, torch_path):
-    """With a padding mask the kept heads take the PyTorch path (it needs the mask); the
-    mixer's step is still one compiled call, each row at its own ring position."""
+    """With left padding both steps stay compiled: the kept heads attend from each row's
+    first token, the mixer steps each row at its own ring position."""
     model = converted_model("llama", kind)
     reference = copy.deepcopy(model)
     ids = torch.randint(1, 97, (3, 30), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :7], mask[1, :18] = 0, 0
     logits, _ = decode(model, ids, prompt=20, mask=mask)
-    assert calls["window"] > 0 and calls["attention"] == 0
+    steps, layers = ids.shape[1] - 20, model.hybrid_attentions()
+    assert calls["window"] == steps * sum(a.mixer is not None for a in layers)
+    assert calls["attention"] == steps * sum(a.has_attention for a in layers)
     torch_path()
     expected, _ = decode(reference, ids, prompt=20, mask=mask)
     real = mask.bool()[:, :, None].expand_as(logits)
     assert (logits - expected)[real].abs().max() <= 1e-4
+
+
+def test_a_mask_that_is_not_left_padding_takes_the_torch_path(calls, torch_path):
+    """A hole after a row's first token is no left padding: the kept heads' step runs in
+    PyTorch with the mask, and the logits are the PyTorch path's."""
+    model = converted_model("llama", "window")
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[1, 9] = 0, 0
+    logits, _ = decode(model, ids, prompt=20, mask=mask)
+    assert calls["attention"] == 0 and calls["window"] > 0
+    torch_path()
+    expected, _ = decode(reference, ids, prompt=20, mask=mask)
+    real = mask.bool()[:, :, None].expand_as(logits)
+    assert (logits - expected)[real].abs().max() <= 1e-4
+
+
+def test_left_padding_starts_reads_bool_and_additive_masks():
+    seen = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    assert left_padding_starts(seen[:, None, None], 4).tolist() == [2, 0]
+    additive = torch.zeros(2, 1, 1, 4).masked_fill(~seen[:, None, None], torch.finfo(torch.float32).min)
+    assert left_padding_starts(additive, 4).tolist() == [2, 0]
+    holed = seen.clone()
+    holed[1, 2] = False
+    assert left_padding_starts(holed[:, None, None], 4) is None
+    assert left_padding_starts(seen[:, None, None], 5) is None  # the mask is not over the cache's tokens
+    assert left_padding_starts(torch.zeros(2, 1, 1, 4, dtype=torch.bool), 4) is None  # a row that sees nothing
 
 
 def test_recording_gradients_takes_the_torch_path(calls):

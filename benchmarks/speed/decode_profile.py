@@ -11,7 +11,13 @@ one step each per round, so a change in the machine's load touches all of them a
 Median over the timed steps after warm-up. Writes decode_profile.json and
 decode_profile.png to `--out` (default docs/results) and prints a markdown table.
 
-    python -m benchmarks.speed.decode_profile [--context 8150] [--steps 24] [--out DIR]
+`--batch B` decodes B left-padded rows as `bench --batch` does (`recurformer.bench.padded_prompts`).
+`--fill random` skips the prefill (16 x 4,096 tokens take minutes per model here): each
+cache is filled with random keys and values for the prompt's tokens and zero mixer states,
+so that a step reads and computes what it would after a prefill (its time does not depend
+on the values); the logits are then meaningless, and only the timing is kept.
+
+    python -m benchmarks.speed.decode_profile [--context 8150] [--steps 24] [--batch 1] [--fill prefill] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
-from recurformer.bench import new_cache
-from recurformer.cache import CACHE_ARGUMENT
+from recurformer.bench import generation_inputs, new_cache, padded_prompts
+from recurformer.cache import HybridCache
 from recurformer.commands import convert_command
 from recurformer.config import MixerConfig
 from recurformer.files import write_json_atomic
@@ -105,17 +111,43 @@ def attach(model, cache) -> PartTimer:
     return timer
 
 
+FILLS = ("prefill", "random")
+
+
+def fill_randomly(model, cache, batch: int, context: int) -> None:
+    """Put random keys and values for `context` tokens into every layer of `cache` (a
+    `HybridCache`: the kept heads' only, the mixer states allocated as zeros)."""
+    config = model.config.get_text_config()
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(cache, HybridCache):
+            attention = model.model.layers[index].self_attn
+            if attention.mixer is not None:
+                cache.mixer_state(index, attention.mixer, batch, model.dtype, "cpu")
+            heads, kwargs = len(attention.kept_kv_heads), {}
+        else:
+            heads, kwargs = config.num_key_value_heads, {"cache_kwargs": {"cache_position": torch.arange(context)}}
+        keys, values = (torch.randn(batch, heads, context, dim, generator=generator, dtype=model.dtype) for _ in range(2))
+        layer.update(keys, values, **kwargs)
+
+
 class Decoder:
-    """One contender: a model and its cache, prefilled with `context` random tokens, then
+    """One contender: a model and its cache, prefilled with `batch` rows of random tokens
+    (`context` tokens in the longest, left-padded) or filled at random (`fill`), then
     decoding greedily one timed step at a time."""
 
-    def __init__(self, model, cache_kind: str, context: int, steps: int) -> None:
-        self.model, self.position = model, context
-        vocab = model.config.get_text_config().vocab_size
-        prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    def __init__(self, model, cache_kind: str, context: int, steps: int, batch: int = 1, fill: str = "prefill") -> None:
+        self.model = model
+        ids, self.mask = padded_prompts(model.config.get_text_config().vocab_size, batch, context)
+        self.positions = (self.mask.cumsum(1) - 1).clamp(min=0)
         self.cache = new_cache(model, cache_kind, context + steps + 8)
+        if fill == "random":
+            fill_randomly(model, self.cache, batch, context)
+            self.token = ids[:, -1:]
+            return
         with torch.no_grad():
-            out = model(prompt, **{CACHE_ARGUMENT: self.cache}, use_cache=True, logits_to_keep=1)
+            out = model(**generation_inputs(model, ids, self.cache, self.mask, self.positions, first=True), logits_to_keep=1)
         self.token = out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
@@ -123,24 +155,26 @@ class Decoder:
         """One decode step: milliseconds by part, and `total`."""
         timer = attach(self.model, self.cache)
         start = time.perf_counter()
-        out = self.model(self.token, **{CACHE_ARGUMENT: self.cache}, use_cache=True,
-                         cache_position=torch.tensor([self.position]))
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+        out = self.model(**generation_inputs(self.model, self.token, self.cache, self.mask, self.positions, first=False))
         total = time.perf_counter() - start
         timer.detach()
-        self.token, self.position = out.logits[:, -1:].argmax(-1), self.position + 1
+        self.token = out.logits[:, -1:].argmax(-1)
         parts = {part: 1000 * timer.seconds.get(part, 0.0) for part in PARTS[:-1]}
         parts[REST] = 1000 * total - sum(parts.values())
         parts["total"] = 1000 * total
         return parts
 
 
-def profile(contenders: dict, context: int, steps: int, warmup: int = 4, progress=print) -> dict[str, dict[str, float]]:
+def profile(contenders: dict, context: int, steps: int, warmup: int = 4, progress=print, batch: int = 1,
+            fill: str = "prefill") -> dict[str, dict[str, float]]:
     """`name -> (model, cache kind)`: median milliseconds per decode step by part, the
     contenders' steps interleaved (one each per round)."""
     decoders = {}
     for name, (model, kind) in contenders.items():
-        progress(f"prefilling {name} with {context} tokens")
-        decoders[name] = Decoder(model, kind, context, warmup + steps)
+        progress(f"{'prefilling' if fill == 'prefill' else 'filling at random'} {name}: {batch} x {context} tokens")
+        decoders[name] = Decoder(model, kind, context, warmup + steps, batch, fill)
     samples: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in decoders}
     for round in range(warmup + steps):
         for name, decoder in decoders.items():
@@ -151,7 +185,7 @@ def profile(contenders: dict, context: int, steps: int, warmup: int = 4, progres
     return {name: {part: statistics.median(values) for part, values in by_part.items()} for name, by_part in samples.items()}
 
 
-def plot(rows: dict, context: int, steps: int, path: Path) -> None:
+def plot(rows: dict, context: int, steps: int, path: Path, batch: int = 1) -> None:
     figure, axis = plt.subplots(figsize=(8, 3.8))
     left = [0.0] * len(rows)
     for part in PARTS:
@@ -159,7 +193,7 @@ def plot(rows: dict, context: int, steps: int, path: Path) -> None:
         axis.barh(list(rows), values, left=left, label=part)
         left = [a + b for a, b in zip(left, values)]
     axis.invert_yaxis()
-    axis.set_xlabel(f"ms per decode step at {context} tokens (median of {steps})")
+    axis.set_xlabel(f"ms per decode step{f' of {batch} rows' if batch > 1 else ''} at {context} tokens (median of {steps})")
     axis.legend(fontsize=7, loc="lower right")
     save_figure(figure, path)
 
@@ -177,28 +211,35 @@ def main() -> None:
     parser.add_argument("--scores", default=str(RESULTS / "smollm2-135m-scores.json"))
     parser.add_argument("--context", type=int, default=8150)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=1, help="left-padded rows decoded together")
+    parser.add_argument("--fill", choices=FILLS, default="prefill", help="random: fill the caches without a prefill (timing only)")
+    parser.add_argument("--scorer", default="recency", help="which statistic of --scores selects the groups")
     parser.add_argument("--variants", default="mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,"
                         "window+mamba2:0.5", help="mixer:beta,...")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
     parser.add_argument("--out", default=str(RESULTS), help="folder for decode_profile.json and .png")
     args = parser.parse_args()
+    if args.batch < 1 or args.context < 1 or args.steps < 1:
+        parser.error("--batch, --context and --steps must be positive")
     original = load_model(args.model)[0].eval()
     contenders = {"original (DynamicCache)": (original, "dynamic"), "original (StaticCache)": (original, "static")}
     for variant in args.variants.split(","):
         mixer, beta = variant.split(":")
-        out = Path(args.work) / f"{mixer}-beta{beta}"
+        out = Path(args.work) / f"{mixer}-beta{beta}-{args.scorer}"
         if not (out / "config.json").exists():
-            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta), scorer="recency"), MixerConfig(kind=mixer),
-                            force=True)
+            convert_command(args.model, args.scores, str(out), SelectionConfig(beta=float(beta), scorer=args.scorer),
+                            MixerConfig(kind=mixer), force=True)
         contenders[f"{mixer} beta {beta}"] = (load_converted(str(out))[0].eval(), "hybrid")
-    rows = profile(contenders, args.context, args.steps, progress=lambda line: print(line, flush=True))
+    rows = profile(contenders, args.context, args.steps, progress=lambda line: print(line, flush=True), batch=args.batch,
+                   fill=args.fill)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / "decode_profile.json", {
-        "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(), "unit": "ms per decode step (median)",
+        "context": args.context, "steps": args.steps, "batch": args.batch, "fill": args.fill, "scorer": args.scorer,
+        "threads": torch.get_num_threads(), "unit": "ms per decode step (median)",
         "rows": rows,
     })
-    plot(rows, args.context, args.steps, folder / "decode_profile.png")
+    plot(rows, args.context, args.steps, folder / "decode_profile.png", args.batch)
     print(table(rows))
 
 

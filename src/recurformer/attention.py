@@ -52,6 +52,17 @@ def packed_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     return out.reshape(batch, 1, heads, dim)
 
 
+def left_padding_starts(attention_mask: Tensor, tokens: int) -> Tensor | None:
+    """The slot from which each row of a decode step attends, int64 `[B]`, when its mask
+    `[B, 1, 1, tokens]` (bool, or additive: 0 where a token is seen) hides only a prefix of
+    every row, as left padding does; None for any other mask."""
+    if attention_mask.dim() != 4 or attention_mask.shape[1:] != (1, 1, tokens):
+        return None
+    seen = attention_mask[:, 0, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0, 0] == 0
+    starts = seen.to(torch.uint8).argmax(1)  # the first seen slot
+    return starts if bool((seen.sum(1) == tokens - starts).all()) else None
+
+
 class HybridAttention(nn.Module):
     """Drop-in replacement for a Llama/Qwen2/Mistral attention module.
 
@@ -162,12 +173,12 @@ class HybridAttention(nn.Module):
         output `[B, kept query heads * D]`, the token's key and value written into the
         cache's buffers; None where the PyTorch path runs instead. [ours] Taken for one
         token without a mask (the query sees the whole cache, as SDPA and eager attention
-        without a mask compute it) in inference (no gradients recorded), with a
+        without a mask compute it) or with a left-padding mask (each row from its first
+        token on, the padding not read), in inference (no gradients recorded), with a
         `HybridCache` that holds the layer's buffers already, and CPU fp32 / bf16
         activations and weights, when the kernels are built."""
         if not (
             hidden_states.shape[1] == 1
-            and attention_mask is None
             and isinstance(cache, HybridCache)
             and not self.training
             and self.config._attn_implementation in ("sdpa", "eager")
@@ -186,12 +197,17 @@ class HybridAttention(nn.Module):
                 self.v_proj.bias, self.q_proj.out_features // self.head_dim, len(self.kept_kv_heads), self.scaling,
             ), dtype)
             _decode_kernels.put(self, kernel, reads=projections)
+        starts = None
+        if attention_mask is not None:
+            starts = left_padding_starts(attention_mask, cache.layers[self.layer_idx].tokens + 1)
+            if starts is None:
+                return None
         slot = cache.layers[self.layer_idx].append_slot()
         if slot is None:
             return None
         keys, values, length = slot
         cos, sin = position_embeddings
-        return kernel(hidden_states[:, 0], cos[:, 0], sin[:, 0], keys, values, length)
+        return kernel(hidden_states[:, 0], cos[:, 0], sin[:, 0], keys, values, length, starts)
 
     def _packs_decode(self, length: int, attention_mask: Tensor | None, kwargs: dict) -> bool:
         """Whether this call is a decode step `packed_decode_attention` computes exactly as

@@ -169,7 +169,7 @@ def padded_prompts(vocab: int, batch: int, context: int, seed: int = 0) -> tuple
     return ids * mask, mask
 
 
-def _inputs(model, ids: Tensor, cache, mask: Tensor, positions: Tensor, first: bool) -> dict:
+def generation_inputs(model, ids: Tensor, cache, mask: Tensor, positions: Tensor, first: bool) -> dict:
     """The keyword arguments `generate` gives the model for `ids` `[B, T]`."""
     return model.prepare_inputs_for_generation(ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                                is_first_iteration=first, **{CACHE_ARGUMENT: cache})
@@ -193,7 +193,7 @@ def measure(
     with PeakMemory(interval=0.002, settle=True) as memory:
         prefilled = new_cache(model, cache, context + warmup + decode_steps + 1)
         start = time.perf_counter()
-        out = model(**_inputs(model, ids, prefilled, mask, positions, first=True), logits_to_keep=1)
+        out = model(**generation_inputs(model, ids, prefilled, mask, positions, first=True), logits_to_keep=1)
         prefill = time.perf_counter() - start
         kv, reserved, state = cache_bytes(prefilled)
         first = out.logits[:, -1:].argmax(-1)
@@ -222,7 +222,7 @@ def _decode(model, step_call, cache, token: Tensor, mask: Tensor, positions: Ten
         start = time.perf_counter()
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
-        out = step_call(**_inputs(model, token, cache, mask, positions, first=False))
+        out = step_call(**generation_inputs(model, token, cache, mask, positions, first=False))
         token = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - start)
     return times

@@ -37,26 +37,28 @@ def attention_case(batch, heads, groups, dim, d_in, filled, *, bias=True, shared
     return weights, keys, values, filled, steps
 
 
-def run_steps(step, weights, keys, values, filled, steps):
+def run_steps(step, weights, keys, values, filled, steps, starts=None):
     """Outputs of every token, appended after `filled` slots, and the final buffers."""
     keys, values = keys.clone(), values.clone()
-    outputs = [step(x, cos, sin, keys, values, filled + 1 + i, weights) for i, (x, cos, sin) in enumerate(steps)]
+    outputs = [step(x, cos, sin, keys, values, filled + 1 + i, weights, starts) for i, (x, cos, sin) in enumerate(steps)]
     return torch.stack(outputs), keys, values
 
 
-def assert_same_steps(case, tol):
-    y_ref, keys_ref, values_ref = run_steps(attention_step_naive, *case)
-    y, keys, values = run_steps(attention_step_compiled, *case)
+def assert_same_steps(case, tol, starts=None):
+    y_ref, keys_ref, values_ref = run_steps(attention_step_naive, *case, starts=starts)
+    y, keys, values = run_steps(attention_step_compiled, *case, starts=starts)
     assert y.dtype == y_ref.dtype
     torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(keys.float(), keys_ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(values.float(), values_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(keys.float(), keys_ref.float(), atol=tol, rtol=tol, equal_nan=True)  # NaN: padding
+    torch.testing.assert_close(values.float(), values_ref.float(), atol=tol, rtol=tol, equal_nan=True)
 
 
 # (batch, heads, groups, dim, d_in, filled): the SmolLM2 layer's kept heads (2 groups) past
 # two chunks of the split; an empty cache (the token sees itself); odd sizes across a chunk
-# boundary; multi-head attention, one head per group.
-SHAPES = [(1, 6, 2, 64, 576, 600), (2, 6, 2, 10, 37, 0), (3, 4, 1, 6, 21, 254), (2, 4, 4, 8, 16, 62)]
+# boundary; multi-head attention, one head per group; a batch of six whose projections run
+# four rows at a time and two alone (rows in blocks of 16, odd d_in).
+SHAPES = [(1, 6, 2, 64, 576, 600), (2, 6, 2, 10, 37, 0), (3, 4, 1, 6, 21, 254), (2, 4, 4, 8, 16, 62),
+          (6, 6, 2, 16, 40, 300)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -68,10 +70,24 @@ def test_without_biases_and_with_one_rotary_row_for_all_rows(compiled):
     assert_same_steps(attention_case(*SHAPES[2], bias=False, shared_rotary=True), 1e-5)
 
 
-def test_compiled_attention_step_bf16(compiled):
+def test_left_padded_rows_attend_from_their_first_slot(compiled):
+    """Rows start inside the first chunk of the split, on a chunk boundary, past it, and at
+    the token itself: the chunks before a row's start are not read (the padding there is
+    set to NaN, which would spread to the output if it were)."""
+    weights, keys, values, filled, steps = attention_case(4, 6, 2, 16, 24, 600)
+    starts = torch.tensor([5, 256, 300, filled])
+    for b, start in enumerate(starts.tolist()):
+        keys[b, :, :start], values[b, :, :start] = float("nan"), float("nan")
+    assert_same_steps((weights, keys, values, filled, steps), 1e-5, starts=starts)
+    y, _, _ = run_steps(attention_step_compiled, weights, keys, values, filled, steps, starts=starts)
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[4]], ids=str)
+def test_compiled_attention_step_bf16(compiled, shape):
     """bf16 activations, weights and buffers: the oracle rounds the projections and RoPE to
     bf16, the compiled step computes in fp32 and rounds what it stores."""
-    assert_same_steps(attention_case(*SHAPES[2], dtype=torch.bfloat16), 6e-2)
+    assert_same_steps(attention_case(*shape, dtype=torch.bfloat16), 6e-2)
 
 
 def test_only_the_tokens_slot_is_written(compiled):
@@ -95,8 +111,12 @@ def test_only_the_tokens_slot_is_written(compiled):
         (lambda a: a.update(keys=a["keys"].bfloat16()), "attention_step: keys must be a contiguous CPU torch.float32 buffer"),
         (lambda a: a.update(x=a["x"][:, 1:]), r"attention_step: x must be a CPU torch.float32 tensor \[B, 16\]"),
         (lambda a: a.update(sin=a["sin"][:, 1:]), r"attention_step: sin must be a CPU tensor \[1 or 2, 8\]"),
+        (lambda a: a.update(starts=torch.tensor([0, a["length"]])), r"attention_step: starts must be .* slots in \[0, 63\)"),
+        (lambda a: a.update(starts=torch.tensor([0, 1], dtype=torch.int32)), "attention_step: starts must be a contiguous CPU int64"),
+        (lambda a: a.update(starts=torch.tensor([0])), r"attention_step: starts must be a contiguous CPU int64 tensor \[2\]"),
     ],
-    ids=["length-past-capacity", "length-zero", "values-shape", "strided-keys", "keys-dtype", "x-shape", "sin-shape"],
+    ids=["length-past-capacity", "length-zero", "values-shape", "strided-keys", "keys-dtype", "x-shape", "sin-shape",
+         "start-past-length", "starts-int32", "starts-shape"],
 )
 def test_compiled_attention_step_rejects_bad_inputs_in_one_line(compiled, change, message):
     weights, keys, values, filled, steps = attention_case(*SHAPES[3])

@@ -105,9 +105,11 @@ def assert_same_steps(case, tol):
 
 # (batch, heads, groups, dim, d_in, sinks, window, tokens seen per row): the SmolLM2 layer
 # (three groups, run's window), rows at three positions (empty, not full, wrapped), no
-# sinks with odd sizes, a window of one, and multi-head attention.
+# sinks with odd sizes, a window of one, multi-head attention, and a batch of six whose
+# projections run four rows at a time and two alone (rows in blocks of 16, odd d_in).
 SHAPES = [
     (1, 9, 3, 64, 576, 4, 141, [150]),
+    (6, 6, 2, 16, 40, 2, 9, [0, 3, 9, 12, 20, 1]),
     (3, 6, 2, 10, 37, 2, 5, [0, 4, 19]),
     (2, 4, 1, 6, 21, 0, 7, [3, 30]),
     (2, 4, 4, 8, 16, 3, 1, [2, 9]),
@@ -123,7 +125,7 @@ def test_compiled_window_step_matches_naive(compiled, shape, tail):
 
 @pytest.mark.parametrize("tail", TAILS, ids=str)
 def test_without_biases_and_with_one_rotary_row_for_all_rows(compiled, tail):
-    assert_same_steps(window_case(*SHAPES[1][:-1], tail, seen=SHAPES[1][-1], bias=False, shared_rotary=True), 1e-5)
+    assert_same_steps(window_case(*SHAPES[2][:-1], tail, seen=SHAPES[2][-1], bias=False, shared_rotary=True), 1e-5)
 
 
 @pytest.mark.parametrize("tail", TAILS, ids=str)
@@ -137,16 +139,17 @@ def test_a_window_longer_than_the_tokens_never_evicts(compiled, tail):
 
 
 @pytest.mark.parametrize("tail", TAILS, ids=str)
-def test_compiled_window_step_bf16(compiled, tail):
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=str)
+def test_compiled_window_step_bf16(compiled, tail, shape):
     """bf16 activations, weights, ring buffer and conv state (fp32 accumulators): the oracle
     rounds the projections, RoPE and the branch to bf16, the compiled step computes in fp32
     and rounds what it stores; they agree to a few bf16 roundings (~4e-3 each)."""
-    case = window_case(*SHAPES[1][:-1], tail, seen=SHAPES[1][-1], dtype=torch.bfloat16)
+    case = window_case(*shape[:-1], tail, seen=shape[-1], dtype=torch.bfloat16)
     assert_same_steps(case, 6e-2)
 
 
 def test_the_step_writes_the_state_in_place_and_allocates_only_its_output(compiled):
-    window, tail, state, steps = window_case(*SHAPES[1][:-1], "mamba2", seen=SHAPES[1][-1])
+    window, tail, state, steps = window_case(*SHAPES[2][:-1], "mamba2", seen=SHAPES[2][-1])
     kernel = WindowStepKernel(window, tail, torch.float32)
     addresses = {name: t.data_ptr() for name, t in state.items()}
     before = {name: t.clone() for name, t in state.items()}
@@ -158,7 +161,7 @@ def test_the_step_writes_the_state_in_place_and_allocates_only_its_output(compil
 
 
 def test_the_kernel_reads_weights_updated_in_place(compiled):
-    window, tail, state, steps = window_case(*SHAPES[2][:-1], "linear", seen=SHAPES[2][-1])
+    window, tail, state, steps = window_case(*SHAPES[3][:-1], "linear", seen=SHAPES[3][-1])
     kernel = WindowStepKernel(window, tail, torch.float32)
     x, cos, sin = steps[0]
     first = kernel(x, cos, sin, {k: t.clone() for k, t in state.items()})
@@ -185,7 +188,7 @@ def test_the_kernel_reads_weights_updated_in_place(compiled):
     ids=["index-dtype", "keys-shape", "non-contiguous-state", "missing-state", "x-shape", "x-dtype", "cos-rows"],
 )
 def test_compiled_window_step_rejects_bad_inputs_in_one_line(compiled, change, error, message):
-    window, tail, state, steps = window_case(*SHAPES[1][:-1], "mamba2", seen=SHAPES[1][-1])
+    window, tail, state, steps = window_case(*SHAPES[2][:-1], "mamba2", seen=SHAPES[2][-1])
     x, cos, sin = steps[0]
     arguments = {"x": x, "cos": cos, "sin": sin}
     change(state, arguments)
@@ -195,7 +198,7 @@ def test_compiled_window_step_rejects_bad_inputs_in_one_line(compiled, change, e
 
 
 def test_compiled_window_step_rejects_bad_weights_in_one_line(compiled):
-    window, tail, state, steps = window_case(*SHAPES[1][:-1], "mamba2", seen=SHAPES[1][-1])
+    window, tail, state, steps = window_case(*SHAPES[2][:-1], "mamba2", seen=SHAPES[2][-1])
     x, cos, sin = steps[0]
     bad = cast(tail, torch.float32)
     bad = type(bad)(**{**vars(bad), "out_weight": bad.out_weight[:, :-1]})
@@ -207,7 +210,7 @@ def test_compiled_window_step_rejects_bad_weights_in_one_line(compiled):
 
 
 def test_a_strided_x_gives_the_result_of_its_contiguous_copy(compiled):
-    window, tail, state, steps = window_case(*SHAPES[1][:-1], None, seen=SHAPES[1][-1])
+    window, tail, state, steps = window_case(*SHAPES[2][:-1], None, seen=SHAPES[2][-1])
     x, cos, sin = steps[0]
     wide = torch.stack([x, x], dim=2)[..., 0]
     assert not wide.is_contiguous() and torch.equal(wide, x)

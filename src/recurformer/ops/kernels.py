@@ -66,7 +66,7 @@ _SIGNATURES = {
     "rf_window_backward": ([_int] + [_ptr] * 15 + [_i64] * 8 + [ctypes.c_float, _int], _int),
 }
 _SIGNATURES["rf_window_step"] = ([_ptr] * 12 + [_i64] * 2 + [_int], _int)  # the fused decode steps
-_SIGNATURES["rf_attention_step"] = ([_ptr] * 7 + [_i64] * 4 + [_int], _int)
+_SIGNATURES["rf_attention_step"] = ([_ptr] * 8 + [_i64] * 4 + [_int], _int)
 
 
 class BuildError(RuntimeError):

@@ -70,9 +70,11 @@ class AttentionStepKernel:
         self._tensors.append(tensor)
         setattr(w, field, tensor.data_ptr())
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: int) -> Tensor:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: int,
+                 starts: Tensor | None = None) -> Tensor:
         """x `[B, d_in]`, cos and sin `[B or 1, D]`, keys and values `[B, G, capacity, D]`
-        (contiguous, written in place), `length` in [1, capacity] -> `[B, H D]`."""
+        (contiguous, written in place), `length` in [1, capacity], `starts` None or int64
+        `[B]` in [0, length) (left padding: the first slot each row attends from) -> `[B, H D]`."""
         dtype = self.dtype
         x, cos, sin = token_inputs(x, cos, sin, dtype, self.d_in, self.dim, OP)
         batch = x.shape[0]
@@ -84,21 +86,26 @@ class AttentionStepKernel:
                                  f"{self.dim}] like keys, got {_describe(t)}")
         if not (isinstance(length, int) and 1 <= length <= capacity):
             raise ValueError(f"{OP}: length must be in [1, {capacity}], got {length!r}")
+        if starts is not None and not (isinstance(starts, Tensor) and starts.dtype is torch.int64 and starts.is_cpu
+                                       and starts.shape == (batch,) and starts.is_contiguous()
+                                       and 0 <= int(starts.min()) and int(starts.max()) < length):
+            raise ValueError(f"{OP}: starts must be a contiguous CPU int64 tensor [{batch}] of slots in [0, {length}), "
+                             f"got {_describe(starts)}")
         out = x.new_empty(batch, self.heads * self.dim)
         kernels.run(
             OP, self.lib.rf_attention_step, ctypes.addressof(self.weights), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            keys.data_ptr(), values.data_ptr(), out.data_ptr(), batch, cos.shape[0], capacity, length,
+            keys.data_ptr(), values.data_ptr(), out.data_ptr(), None if starts is None else starts.data_ptr(), batch, cos.shape[0], capacity, length,
             torch.get_num_threads(),
         )
         return out
 
 
 def attention_step_compiled(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: int,
-                            weights: AttentionWeights) -> Tensor:
+                            weights: AttentionWeights, starts: Tensor | None = None) -> Tensor:
     """`attention_step_naive` in one compiled call; arguments and results as there."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{OP}: x must be a tensor, got {type(x).__name__}")
-    return AttentionStepKernel(weights, x.dtype)(x, cos, sin, keys, values, length)
+    return AttentionStepKernel(weights, x.dtype)(x, cos, sin, keys, values, length, starts)
 
 
 def _describe(value) -> str:

@@ -34,7 +34,7 @@ class AttentionWeights:
 
 
 def attention_step_naive(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: int,
-                         weights: AttentionWeights) -> Tensor:
+                         weights: AttentionWeights, starts: Tensor | None = None) -> Tensor:
     """One token through the kept heads.
 
     Args:
@@ -44,6 +44,7 @@ def attention_step_naive(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, valu
             token's rotated key and its value are written to slot `length - 1`, and the
             query attends over slots `[0, length)`.
         weights: the projections.
+        starts: None, or `[B]` slots from which each row attends instead of 0 (left padding).
 
     Returns:
         The heads' attention output `[B, H D]` in the dtype of `x`.
@@ -57,6 +58,7 @@ def attention_step_naive(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, valu
     for b in range(batch):
         for h in range(heads):
             g = h // (heads // groups)
-            scores = (keys[b, g, :length].float() @ q[b, h].float()) * weights.scaling
-            out[b, h] = scores.softmax(-1) @ values[b, g, :length].float()
+            start = 0 if starts is None else int(starts[b])
+            scores = (keys[b, g, start:length].float() @ q[b, h].float()) * weights.scaling
+            out[b, h] = scores.softmax(-1) @ values[b, g, start:length].float()
     return out.reshape(batch, heads * dim).to(x.dtype)

@@ -10,6 +10,10 @@
 // cache whatever the number of groups (torch's CPU SDPA splits over heads only: one group
 // keeps one thread busy).
 //
+// A batch of left-padded rows gives each row the first slot it attends from (`starts`,
+// null: slot 0 for every row): a work item reads only the slots of its chunk from there,
+// so the padding is neither attended nor read.
+//
 // Every "io" tensor (activations, cos and sin, cache buffers, weights, output) has one
 // dtype: bf16 when `bf16`, else fp32. The arithmetic is fp32.
 #include "common.h"
@@ -36,15 +40,16 @@ struct AttentionStepArgs : AttentionStepWeights {
   const void *x, *cos, *sin;  // x [B, d_in]; cos, sin [cos_rows, D]
   void *keys, *values;        // [B, G, capacity, D]; the token goes to slot length - 1
   void* out;                  // [B, H D]
+  const int64_t* starts;      // [B] first slot each row attends from, or null (0)
 };
 
-// One work item: query heads q [group, D] of group g against cached tokens [t0, t1);
-// writes, per head, (maximum score, sum of exp(score - maximum), sum of exp(...) v [D]) to
+// One work item: query heads q [group, D] of group g against cached tokens [t0, t1)
+// (none when t0 >= t1: maximum -inf, sums 0); writes, per head, (maximum score, sum of exp(score - maximum), sum of exp(...) v [D]) to
 // `partial` [group, D + 2]. `scores` holds group * CHUNK floats.
 template <typename T>
 void attend_chunk(const AttentionStepArgs& a, const float* q, const T* keys, const T* values, int64_t t0, int64_t t1,
                   float* partial, float* scores) {
-  const int64_t group = a.heads / a.kv_heads, D = a.head_dim, n = t1 - t0;
+  const int64_t group = a.heads / a.kv_heads, D = a.head_dim, n = std::max<int64_t>(0, t1 - t0);
   const float scaling = float(a.scaling);
   for (int64_t i = 0; i < group; ++i) {
     float* s = scores + i * CHUNK;
@@ -109,9 +114,9 @@ bool attention_step(const AttentionStepArgs& a) {
   if (!parallel_for(items, threads, threads > 1 && items > 1, true, [&](int64_t item) {
         const int64_t bg = item / chunks, t0 = (item % chunks) * CHUNK;
         const int64_t b = bg / G, g = bg % G;
-        const int64_t cache = bg * a.capacity * D;
-        attend_chunk(a, q + (b * H + g * group) * D, (const T*)a.keys + cache, (const T*)a.values + cache, t0,
-                     std::min(a.length, t0 + CHUNK), partials + item * group * (D + 2), scores + item * group * CHUNK);
+        const int64_t cache = bg * a.capacity * D, start = a.starts ? a.starts[b] : 0;
+        attend_chunk(a, q + (b * H + g * group) * D, (const T*)a.keys + cache, (const T*)a.values + cache,
+                     std::max(t0, start), std::min(a.length, t0 + CHUNK), partials + item * group * (D + 2), scores + item * group * CHUNK);
       }))
     return false;
 
@@ -151,9 +156,9 @@ extern "C" {
 // The kept heads' decode step for x [B, d_in] with the heads `weights` describes: the
 // token's rotated key and its value are written to slot length - 1 of the buffers keys,
 // values [B, G, capacity, D], and out [B, H D] receives the attention over slots
-// [0, length). Returns 0, or 1 when out of memory.
+// [starts[b], length) of row b (starts null: [0, length)). Returns 0, or 1 when out of memory.
 int rf_attention_step(const void* weights, const void* x, const void* cos, const void* sin, void* keys, void* values,
-                      void* out, int64_t batch, int64_t cos_rows, int64_t capacity, int64_t length, int threads) {
+                      void* out, const int64_t* starts, int64_t batch, int64_t cos_rows, int64_t capacity, int64_t length, int threads) {
   AttentionStepArgs a;
   static_cast<AttentionStepWeights&>(a) = *(const AttentionStepWeights*)weights;
   a.batch = batch;
@@ -167,6 +172,7 @@ int rf_attention_step(const void* weights, const void* x, const void* cos, const
   a.keys = keys;
   a.values = values;
   a.out = out;
+  a.starts = starts;
   try {
     return (a.bf16 ? attention_step<rf::bf16>(a) : attention_step<float>(a)) ? 0 : 1;
   } catch (...) {  // std::bad_alloc from the scratch
