@@ -18,6 +18,8 @@ holds at C tokens (its kept K/V grow with C, its mixer state does not). Rows (`-
 - `duo@B`: DuoAttention-style, no training: the groups the `ablation` scorer keeps
   (`--ablation-scores`) stay full, the others (as many as the budget's model replaced) are
   windowed with `window@B`'s window;
+- `duo-retrieval@B`: the same with the groups the `ablation-retrieval` scorer keeps
+  (`--retrieval-scores`: the cost measured on a retrieval probe's answers);
 - `streaming@B`: StreamingLLM: every group a window of 4 sinks + `w(C)` recent tokens, `w(C)`
   sized at each C to the budget's bytes;
 - `compose-PRESS@B`: the model of `--compose-base` (a smaller compression, e.g. the beta 0.5
@@ -77,8 +79,10 @@ def beta_of(model) -> float:
 class Rows:
     """Builds the rows of one run: the original, the budgets' models and their rivals."""
 
-    def __init__(self, original, budgets: dict[str, str], ablation_scores: str, compose_base: str | None):
-        self.original, self.ablation_scores = original, ablation_scores
+    def __init__(self, original, budgets: dict[str, str], ablation_scores: str, compose_base: str | None,
+                 retrieval_scores: str | None = None):
+        self.original = original
+        self.scores = {"duo": (ablation_scores, "ablation"), "duo-retrieval": (retrieval_scores, "ablation-retrieval")}
         self.models = {name: load_any(folder)[0].eval() for name, folder in budgets.items()}
         self.folders = budgets
         self.lines = {name: cache_line(model) for name, model in self.models.items()}
@@ -112,12 +116,15 @@ class Rows:
             row, window = window_baseline(self.original, model, self.equal_window(budget))
             return row, f"window {window} + {SINKS} sinks on the same groups, beta {beta:.2f}", \
                 self._bytes(row, context), None
-        if kind == "duo":
-            spec = select_heads(HeadScores.load(self.ablation_scores), beta, make_scorer("ablation"))
+        if kind in self.scores:
+            scores, scorer = self.scores[kind]
+            if scores is None:
+                raise SystemExit(f"error: row {kind}@{budget} needs --retrieval-scores")
+            spec = select_heads(HeadScores.load(scores), beta, make_scorer(scorer))
             window = self.equal_window(budget)
             row = convert(self.original, spec, MixerConfig(kind="window", window=window, sinks=SINKS))
             shared = len(set(spec.groups) & {tuple(g) for g in model.config.replacement["groups"]})
-            return row, (f"DuoAttention-style: ablation-kept groups full, {len(spec.groups)} others window "
+            return row, (f"DuoAttention-style: {scorer}-kept groups full, {len(spec.groups)} others window "
                          f"{window} + {SINKS} sinks ({shared} of them replaced by the conversion too)"), \
                 self._bytes(row, context), None
         if kind == "streaming":
@@ -151,7 +158,7 @@ def parse_row(name: str, budgets: dict[str, str], compose_base: str | None) -> t
     if name == "original":
         return "original", None
     kind, _, budget = name.partition("@")
-    kinds = ("conversion", "window", "duo", "streaming", *(f"compose-{p}" for p in PRESSES))
+    kinds = ("conversion", "window", "duo", "duo-retrieval", "streaming", *(f"compose-{p}" for p in PRESSES))
     if kind not in kinds or budget not in budgets:
         raise SystemExit(f"error: row {name!r}: rows are original or KIND@BUDGET, KIND one of {', '.join(kinds)}, "
                          f"BUDGET one of --budget's names ({', '.join(budgets) or 'none given'})")
@@ -193,6 +200,7 @@ def main() -> None:
     parser.add_argument("--compose-base", help="the budget whose model the compose-* rows compress")
     parser.add_argument("--ablation-scores", default=str(ALL_RESULTS /
                                                          "smollm2-135m-ablation-2048-scores.json"))
+    parser.add_argument("--retrieval-scores", help="scores with `ablation_retrieval` costs, for duo-retrieval rows")
     parser.add_argument("--kinds", default="ruler,passkey", help="which problems to answer")
     parser.add_argument("--out", default=str(RESULTS / "ruler-ours.json"))
     args = parser.parse_args()
@@ -209,7 +217,7 @@ def main() -> None:
     chosen = [(i, p) for i, p in enumerate(problems["problems"]) if p["kind"] in kinds]
     out = Path(args.out)
     original, tokenizer, _ = load_model(problems["model"], progress=False)
-    builder = Rows(original, budgets, args.ablation_scores, args.compose_base)
+    builder = Rows(original, budgets, args.ablation_scores, args.compose_base, args.retrieval_scores)
     budget_record = {name: {"model": folder, "beta": beta_of(builder.models[name]),
                             "groups": sorted(map(list, builder.models[name].config.replacement["groups"])),
                             "bytes": {str(c): builder.budget_bytes(name, c)

@@ -29,7 +29,8 @@ SCHEMA = "recurformer-ruler-rows/1"
 HEADLINE_FLOOR = 30.0  # a task enters the headline when the original scores at least this
 BEGIN, END = "<!-- ruler-tables:begin -->", "<!-- ruler-tables:end -->"
 KIND_NAMES = {"original": "original", "conversion": "our conversion (trained)", "window": "our `window`, no training",
-              "duo": "DuoAttention-style", "streaming": "StreamingLLM", "expected-attention": "kvpress ExpectedAttention",
+              "duo": "DuoAttention-style", "duo-retrieval": "DuoAttention-style, retrieval-probe groups",
+              "streaming": "StreamingLLM", "expected-attention": "kvpress ExpectedAttention",
               "snapkv": "kvpress SnapKV", "kvzip": "kvpress KVzip", "tova": "kvpress TOVA", "knorm": "kvpress Knorm"}
 
 

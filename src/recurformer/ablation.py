@@ -167,15 +167,22 @@ def _check_window(config, seq_len: int) -> None:
                           f"{seq_len}-token calibration sequences; use --ablation-seq-len <= {window}")
 
 
-def _token_nll(model, hidden: Tensor, tokens: Tensor, start: int, chunk: int = 256) -> Tensor:
-    """Mean NLL per row `[B]` of tokens[:, start:] predicted from hidden `[B, T, d]` (last layer's output)."""
+def counted_from(tokens: Tensor, start: int) -> Tensor:
+    """`[N, T]` bool: the tokens at positions >= `start` of every sequence."""
+    return (torch.arange(tokens.shape[1]) >= start).expand(tokens.shape[0], -1)
+
+
+def _token_nll(model, hidden: Tensor, tokens: Tensor, counted: Tensor, chunk: int = 256) -> Tensor:
+    """Mean NLL per row `[B]` of the tokens `counted` `[B, T]` (bool, never position 0) marks,
+    each predicted from the hidden state `[B, T, d]` (last layer's output) of the one before it."""
+    positions = counted.any(0).nonzero().squeeze(1)  # [P] positions some row counts
     total = torch.zeros(hidden.shape[0], dtype=torch.float64)
-    for first in range(start - 1, tokens.shape[1] - 1, chunk):
-        last = min(first + chunk, tokens.shape[1] - 1)
-        logits = model.lm_head(model.model.norm(hidden[:, first:last])).float()  # [B, C, V]
-        nll = F.cross_entropy(logits.transpose(1, 2), tokens[:, first + 1:last + 1], reduction="none")  # [B, C]
-        total += nll.double().sum(1)
-    return total / (tokens.shape[1] - start)
+    for first in range(0, len(positions), chunk):
+        at = positions[first:first + chunk]
+        logits = model.lm_head(model.model.norm(hidden[:, at - 1])).float()  # [B, C, V]
+        nll = F.cross_entropy(logits.transpose(1, 2), tokens[:, at], reduction="none")  # [B, C]
+        total += (nll.double() * counted[:, at]).sum(1)
+    return total / counted.sum(1)
 
 
 def _run_layers(model, hidden: Tensor, first: int, last: int, position_embeddings, positions: Tensor) -> Tensor:
@@ -186,10 +193,12 @@ def _run_layers(model, hidden: Tensor, first: int, last: int, position_embedding
     return hidden
 
 
-def _checkpoint_key(model, tokens: Tensor, config: AblationConfig) -> dict:
-    """What a checkpoint's costs depend on: the model's fingerprint, the tokens and the settings."""
-    return {"fingerprint": model_fingerprint(model), "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16],
-            "shape": list(tokens.shape), **asdict(config)}
+def _checkpoint_key(model, tokens: Tensor, counted: Tensor | None, config: AblationConfig) -> dict:
+    """What a checkpoint's costs depend on: the model's fingerprint, the tokens, which of them
+    count (None: the default, `ablation_from` on) and the settings."""
+    marks = b"" if counted is None else counted.numpy().tobytes()
+    digest = hashlib.sha256(tokens.numpy().tobytes() + marks).hexdigest()[:16]
+    return {"fingerprint": model_fingerprint(model), "tokens": digest, "shape": list(tokens.shape), **asdict(config)}
 
 
 def _load_checkpoint(path: Path | None, key: dict) -> dict[int, dict[Group, float]]:
@@ -205,7 +214,7 @@ def _load_checkpoint(path: Path | None, key: dict) -> dict[int, dict[Group, floa
     return done
 
 
-def _score_round(model, tokens: Tensor, config: AblationConfig, fixed: Tensor, todo: list[Group],
+def _score_round(model, tokens: Tensor, counted: Tensor, config: AblationConfig, fixed: Tensor, todo: list[Group],
                  costs: dict[Group, float], per_batch: int, saved: Callable[[], None], desc: str,
                  progress: bool) -> float:
     """Score each group of `todo` not yet in `costs` with the `fixed` `[layers, kv_heads]` groups
@@ -223,7 +232,7 @@ def _score_round(model, tokens: Tensor, config: AblationConfig, fixed: Tensor, t
     for layer in range(layers):
         inputs.append(hidden)
         hidden = _run_layers(model, hidden, layer, layer + 1, position_embeddings, positions)
-    base = _token_nll(model, hidden, tokens, config.ablation_from).mean().item()
+    base = _token_nll(model, hidden, tokens, counted).mean().item()
     for layer in tqdm(range(layers), desc=desc, unit="layer", disable=not progress):
         left = [g for l, g in todo if l == layer and (l, g) not in costs]
         for first in range(0, len(left), per_batch):
@@ -232,7 +241,7 @@ def _score_round(model, tokens: Tensor, config: AblationConfig, fixed: Tensor, t
             _windowing = _Windowing(fixed, layer, rows, window, sinks)
             out = _run_layers(model, inputs[layer].repeat(len(chosen), 1, 1), layer, layers,
                               tuple(p.expand(len(rows), *p.shape[1:]) for p in position_embeddings), positions)
-            nll = _token_nll(model, out, tokens.repeat(len(chosen), 1), config.ablation_from).view(len(chosen), count)
+            nll = _token_nll(model, out, tokens.repeat(len(chosen), 1), counted.repeat(len(chosen), 1)).view(len(chosen), count)
             for g, value in zip(chosen, nll.mean(1).tolist()):
                 costs[(layer, g)] = value - base
         if left:
@@ -248,10 +257,13 @@ def measure_ablation(
     groups_per_batch: int | None = None,
     checkpoint: str | Path | None = None,
     progress: bool = True,
+    counted: Tensor | None = None,
 ) -> Ablation:
     """The costs and the greedy order of `config.ablation_rounds` rounds (module docstring).
 
-    tokens `[N, T]` calibration sequences; `groups_per_batch` groups of one layer per pass
+    tokens `[N, T]` calibration sequences; `counted` `[N, T]` bool, the tokens whose NLL
+    makes the cost (default: positions >= `config.ablation_from`; the `retrieval` probe's
+    answers, `retrieval_probe.py`); `groups_per_batch` groups of one layer per pass
     (default: all of the layer's groups). With `checkpoint`, each finished layer of a round
     is written there and a later call on the same model, tokens and settings skips it.
     """
@@ -264,7 +276,11 @@ def measure_ablation(
     require(config.ablation_from < tokens.shape[1],
             f"--ablation-from {config.ablation_from} must be < the sequence length {tokens.shape[1]}")
     checkpoint = Path(checkpoint) if checkpoint is not None else None
-    key = _checkpoint_key(model, tokens, config)
+    key = _checkpoint_key(model, tokens, counted, config)
+    if counted is None:
+        counted = counted_from(tokens, config.ablation_from)
+    require(counted.shape == tokens.shape and counted.dtype == torch.bool and not counted[:, 0].any()
+            and bool(counted.any(1).all()), "ablation: `counted` must mark, in every sequence, tokens after the first")
     done = _load_checkpoint(checkpoint, key)
 
     def saved() -> None:
@@ -288,7 +304,7 @@ def measure_ablation(
             todo = [g for g in everything if g not in marginal]
             costs = done.setdefault(r, {})
             desc = "ablation" if rounds == 1 else f"ablation round {r + 1}/{rounds}"
-            base.append(_score_round(model, tokens, config, fixed, todo, costs, groups_per_batch or kv_heads, saved,
+            base.append(_score_round(model, tokens, counted, config, fixed, todo, costs, groups_per_batch or kv_heads, saved,
                                      desc, progress))
             seconds.append(time.perf_counter() - start)
             take = len(todo) if r == rounds - 1 else groups_to_replace(len(everything), (r + 1) / rounds) - len(chosen)

@@ -37,6 +37,7 @@ from .checks import DamagedFileError, read_json
 from .config import ConfigError, ReplacementSpec, groups_to_replace, option, require
 from .data import check_length, token_sequences
 from .files import write_json_atomic
+from .retrieval_probe import probe_sequences
 from .surgery import model_fingerprint
 
 DEFAULT_WINDOWS = (4, 16, 64)
@@ -321,10 +322,12 @@ class AnalysisConfig:
 
 def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig, seed: int = 0, model_name: str = "",
                  data: list[str] | None = None, ablation: AblationConfig | None = None,
-                 checkpoint: str | Path | None = None) -> HeadScores:
+                 checkpoint: str | Path | None = None, retrieval: bool = False) -> HeadScores:
     """Score every head of `model` on `config.sequences` x `config.seq_len` tokens of
     `documents`, drawn with `seed`; the scores record the model's fingerprint. With
-    `ablation`, also each group's `ablation` cost (resumable through `checkpoint`)."""
+    `ablation`, also each group's `ablation` cost (resumable through `checkpoint`), or with
+    `retrieval` its `ablation_retrieval` cost: the same windowing measured on the answers of
+    the retrieval probe built in the calibration text (`retrieval_probe.py`)."""
     check_length(config.seq_len, model.config)
     tokens = token_sequences(tokenizer, documents, config.seq_len, config.sequences, seed)
     calibration = None if ablation is None else calibration_sequences(tokenizer, documents, ablation, model.config, seed)
@@ -332,19 +335,25 @@ def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig,
                      model_name=model_name, data=data)
     scores.fingerprint = model_fingerprint(model)
     if ablation is not None:
-        record_ablation(scores, measure_ablation(model, calibration, ablation, checkpoint=checkpoint), ablation)
+        counted = None
+        if retrieval:
+            vocabulary = " ".join(tokenizer.batch_decode(calibration))
+            calibration, counted = probe_sequences(tokenizer, calibration, vocabulary, seed)
+        result = measure_ablation(model, calibration, ablation, checkpoint=checkpoint, counted=counted)
+        record_ablation(scores, result, ablation, "retrieval" if retrieval else "text")
     return scores
 
 
-def record_ablation(scores: HeadScores, result: Ablation, config: AblationConfig) -> None:
-    """Put `result` into `scores`: the group statistics `ablation` (round 0's single costs) and,
-    after more than one round, `ablation_order` and `ablation_marginal`; the settings, the
-    base NLL of each round and the seconds under `scores.ablation`."""
-    scores.groups["ablation"] = result.costs
+def record_ablation(scores: HeadScores, result: Ablation, config: AblationConfig, probe: str = "text") -> None:
+    """Put `result` into `scores`: the group statistics `ablation` (round 0's single costs;
+    `ablation_retrieval` when measured on the retrieval `probe`) and, after more than one
+    round, `ablation_order` and `ablation_marginal`; the settings, the probe, the base NLL of
+    each round and the seconds under `scores.ablation`."""
+    scores.groups["ablation" if probe == "text" else "ablation_retrieval"] = result.costs
     if config.ablation_rounds > 1:
         scores.groups["ablation_order"] = [[float(o) for o in row] for row in result.order]
         scores.groups["ablation_marginal"] = result.marginal
-    scores.ablation = {**asdict(config), "base_nll": result.base[0], "seconds": sum(result.seconds),
+    scores.ablation = {**asdict(config), "probe": probe, "base_nll": result.base[0], "seconds": sum(result.seconds),
                        **({"round_base_nll": result.base, "round_seconds": result.seconds}
                           if config.ablation_rounds > 1 else {})}
 
@@ -401,6 +410,19 @@ class AblationScorer(Scorer):
         return {g: -v for g, v in scores.group_values("ablation").items()}
 
 
+class RetrievalAblationScorer(Scorer):
+    """[ours] The groups whose windowing alone costs the answers of a key-value retrieval
+    probe the least first (`retrieval_probe.py`; after Retrieval-Aware Distillation's ranking)."""
+
+    name = "ablation-retrieval"
+
+    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
+        if "ablation_retrieval" not in scores.groups:
+            raise ConfigError("these scores have no retrieval ablation costs; make them with "
+                              "`recurformer analyze ... --scorer ablation-retrieval`")
+        return {g: -v for g, v in scores.group_values("ablation_retrieval").items()}
+
+
 class GreedyAblationScorer(Scorer):
     """[ours] The order of the greedy ablation rounds (`ablation.py`): each round's cheapest
     groups, measured with the earlier rounds' groups windowed, first."""
@@ -415,13 +437,13 @@ class GreedyAblationScorer(Scorer):
 
 
 SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer, AblationScorer,
-                                                         GreedyAblationScorer)}
+                                                         GreedyAblationScorer, RetrievalAblationScorer)}
 
 
 def ablation_measurement(scorer: str, config: AblationConfig) -> AblationConfig | None:
-    """What `analyze_text` must measure for `scorer`: nothing, one round (`ablation`) or
-    `config.ablation_rounds` rounds (`ablation-greedy`)."""
-    if scorer == AblationScorer.name:
+    """What `analyze_text` must measure for `scorer`: nothing, one round (`ablation`,
+    `ablation-retrieval`) or `config.ablation_rounds` rounds (`ablation-greedy`)."""
+    if scorer in (AblationScorer.name, RetrievalAblationScorer.name):
         return replace(config, ablation_rounds=1)
     return config if scorer == GreedyAblationScorer.name else None
 

@@ -51,7 +51,8 @@ from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect
 from ..modeling import check_architecture
 from ..outputs import Claim
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
-from ..scoring import AnalysisConfig, HeadScores, SelectionConfig, ablation_measurement, analyze_text
+from ..scoring import (AnalysisConfig, HeadScores, RetrievalAblationScorer, SelectionConfig, ablation_measurement,
+                       analyze_text)
 from ..surgery import convert, parameter_report
 from ..train import CHECKPOINT, TrainConfig, has_checkpoint, objective_for, seconds_per_step, train_stage
 from .config import RunConfig, Sizes
@@ -70,7 +71,8 @@ def analyze_heads(model, tokenizer, documents: list[str], analysis: AnalysisConf
     also each group's ablation cost: measured layer by layer into `checkpoint`, from which an
     interrupted analysis resumes, and which is removed once the scores are written."""
     scores = analyze_text(model, tokenizer, documents, analysis, seed=selection.seed, model_name=model_name,
-                          data=data, ablation=ablation_measurement(selection.scorer, ablation), checkpoint=checkpoint)
+                          data=data, ablation=ablation_measurement(selection.scorer, ablation), checkpoint=checkpoint,
+                          retrieval=selection.scorer == RetrievalAblationScorer.name)
     scores.save(out)
     Path(checkpoint).unlink(missing_ok=True)
     if plot:
