@@ -34,5 +34,17 @@ def test_filling_at_random_holds_the_prompts_tokens_in_every_cache():
             assert decoder.cache.get_seq_length() == 21 and decoder.mask.shape == (2, 21), kind
     states = [layer.mixer_state for layer in decoder.cache.layers if layer.mixer_state is not None]
     assert states and all(t.shape[0] == 2 for state in states for t in state.values())
+    rings = [state["window.index"] for state in states]  # window+mamba2: sinks + window slots, each a position
+    assert rings and all(bool((ring >= 0).all()) and ring.max() == 20 for ring in rings)  # full after 20 + 1 tokens
     kept = [layer.keys for layer in decoder.cache.layers if layer.keys is not None and layer.keys.shape[1] > 0]
     assert kept and all(k.shape[0] == 2 and torch.isfinite(k).all() for k in kept)
+
+
+def test_full_rings_hold_the_positions_a_prefill_leaves_in_them():
+    converted = convert(tiny_model("llama"), spec_for(tiny_model("llama"), 0.5), MIXERS["window+mamba2"], init="random").eval()
+    with benchmark_script("speed.decode_profile") as module:
+        prefilled = module.Decoder(converted, "hybrid", context=40, steps=1, batch=1, fill="prefill")
+        filled = module.Decoder(converted, "hybrid", context=40, steps=1, batch=1, fill="random")
+    for real, made in zip(prefilled.cache.layers, filled.cache.layers):
+        if real.mixer_state is not None:
+            assert torch.equal(real.mixer_state["window.index"], made.mixer_state["window.index"])

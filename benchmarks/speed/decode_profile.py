@@ -13,9 +13,10 @@ decode_profile.png to `--out` (default docs/results) and prints a markdown table
 
 `--batch B` decodes B left-padded rows as `bench --batch` does (`recurformer.bench.padded_prompts`).
 `--fill random` skips the prefill (16 x 4,096 tokens take minutes per model here): each
-cache is filled with random keys and values for the prompt's tokens and zero mixer states,
-so that a step reads and computes what it would after a prefill (its time does not depend
-on the values); the logits are then meaningless, and only the timing is kept.
+cache is filled with random keys and values for the prompt's tokens and zero mixer states
+whose ring buffers are marked full, so that a step reads and computes what it would after
+a prefill (its time does not depend on the values); the logits are then meaningless, and
+only the timing is kept.
 
     python -m benchmarks.speed.decode_profile [--context 8150] [--steps 24] [--batch 1] [--fill prefill] [--out DIR]
 """
@@ -114,9 +115,21 @@ def attach(model, cache) -> PartTimer:
 FILLS = ("prefill", "random")
 
 
+def fill_rings(mixer, state: dict, context: int) -> None:
+    """Mark every ring-buffer slot of a window kind's `state` as holding a token, as after a
+    prefill of `context` tokens (a step attends over the filled slots only)."""
+    for name, index in state.items():
+        if name == "index" or name.endswith(".index"):
+            ring = mixer.get_submodule(name.rpartition(".")[0])  # the window mixer that owns it
+            recent = max(ring.sinks, context - ring.window)
+            positions = torch.cat([torch.arange(min(ring.sinks, context)), torch.arange(recent, context)])
+            index[:, ring._slots(positions)] = positions
+
+
 def fill_randomly(model, cache, batch: int, context: int) -> None:
     """Put random keys and values for `context` tokens into every layer of `cache` (a
-    `HybridCache`: the kept heads' only, the mixer states allocated as zeros)."""
+    `HybridCache`: the kept heads' only; the mixer states allocated as zeros, their ring
+    buffers full)."""
     config = model.config.get_text_config()
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     generator = torch.Generator().manual_seed(0)
@@ -124,7 +137,7 @@ def fill_randomly(model, cache, batch: int, context: int) -> None:
         if isinstance(cache, HybridCache):
             attention = model.model.layers[index].self_attn
             if attention.mixer is not None:
-                cache.mixer_state(index, attention.mixer, batch, model.dtype, "cpu")
+                fill_rings(attention.mixer, cache.mixer_state(index, attention.mixer, batch, model.dtype, "cpu"), context)
             heads, kwargs = len(attention.kept_kv_heads), {}
         else:
             heads, kwargs = config.num_key_value_heads, {"cache_kwargs": {"cache_position": torch.arange(context)}}
