@@ -55,10 +55,10 @@ def parse_variant(text: str) -> tuple[str, float, dict[str, int]]:
     return mixer, beta, shape
 
 
-
 def variant_folder(mixer: str, beta: float, shape: dict[str, int]) -> str:
     """The name of a variant's conversion folder under `--work`: `window+mamba2-beta0.5-window141`."""
     return f"{mixer}-beta{beta}" + "".join(f"-{key}{value}" for key, value in shape.items())
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -123,7 +123,7 @@ def fill_rings(mixer, state: dict, context: int) -> None:
             ring = mixer.get_submodule(name.rpartition(".")[0])  # the window mixer that owns it
             recent = max(ring.sinks, context - ring.window)
             positions = torch.cat([torch.arange(min(ring.sinks, context)), torch.arange(recent, context)])
-            index[:, ring._slots(positions)] = positions
+            index[:, ring.slots(positions)] = positions
 
 
 def fill_randomly(model, cache, batch: int, context: int) -> None:

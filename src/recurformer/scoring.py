@@ -398,42 +398,43 @@ class RandomScorer(Scorer):
         return {g: rng.random() for g in scores.group_values()}
 
 
-class AblationScorer(Scorer):
-    """[ours] The groups whose windowing alone costs the least NLL first (`ablation.py`)."""
+class MeasuredScorer(Scorer):
+    """Ranks by a group statistic that `analyze` measured (`statistic`), the lowest first;
+    scores without it are refused with `missing`."""
 
-    name = "ablation"
+    statistic = ""
+    missing = ""
 
     def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
-        if "ablation" not in scores.groups:
-            raise ConfigError("these scores have no ablation costs; make them with "
-                              "`recurformer analyze ... --scorer ablation`, or choose --scorer recency")
-        return {g: -v for g, v in scores.group_values("ablation").items()}
+        if self.statistic not in scores.groups:
+            raise ConfigError(self.missing)
+        return {g: -v for g, v in scores.group_values(self.statistic).items()}
 
 
-class RetrievalAblationScorer(Scorer):
+class AblationScorer(MeasuredScorer):
+    """[ours] The groups whose windowing alone costs the least NLL first (`ablation.py`)."""
+
+    name, statistic = "ablation", "ablation"
+    missing = ("these scores have no ablation costs; make them with "
+               "`recurformer analyze ... --scorer ablation`, or choose --scorer recency")
+
+
+class RetrievalAblationScorer(MeasuredScorer):
     """[ours] The groups whose windowing alone costs the answers of a key-value retrieval
     probe the least first (`retrieval_probe.py`; after Retrieval-Aware Distillation's ranking)."""
 
-    name = "ablation-retrieval"
-
-    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
-        if "ablation_retrieval" not in scores.groups:
-            raise ConfigError("these scores have no retrieval ablation costs; make them with "
-                              "`recurformer analyze ... --scorer ablation-retrieval`")
-        return {g: -v for g, v in scores.group_values("ablation_retrieval").items()}
+    name, statistic = "ablation-retrieval", "ablation_retrieval"
+    missing = ("these scores have no retrieval ablation costs; make them with "
+               "`recurformer analyze ... --scorer ablation-retrieval`")
 
 
-class GreedyAblationScorer(Scorer):
+class GreedyAblationScorer(MeasuredScorer):
     """[ours] The order of the greedy ablation rounds (`ablation.py`): each round's cheapest
     groups, measured with the earlier rounds' groups windowed, first."""
 
-    name = "ablation-greedy"
-
-    def score(self, scores: HeadScores) -> dict[tuple[int, int], float]:
-        if "ablation_order" not in scores.groups:
-            raise ConfigError("these scores have no greedy ablation order; make them with "
-                              "`recurformer analyze ... --scorer ablation-greedy`")
-        return {g: -v for g, v in scores.group_values("ablation_order").items()}
+    name, statistic = "ablation-greedy", "ablation_order"
+    missing = ("these scores have no greedy ablation order; make them with "
+               "`recurformer analyze ... --scorer ablation-greedy`")
 
 
 SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer, AblationScorer,

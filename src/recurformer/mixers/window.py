@@ -90,7 +90,7 @@ class WindowMixer(Mixer):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k.transpose(1, 2), v
 
-    def _slots(self, index: Tensor) -> Tensor:
+    def slots(self, index: Tensor) -> Tensor:
         """Ring-buffer slot of the tokens at positions `index` (>= 0)."""
         ring = self.sinks + (index - self.sinks).remainder(self.window)
         return torch.where(index < self.sinks, index, ring)
@@ -144,7 +144,7 @@ class WindowMixer(Mixer):
         rows, steps = keep.nonzero(as_tuple=True)
         # Rows of flattened views: `k[rows, steps]` (advanced indexing) takes ~3 ms at T = 8K.
         source = rows * length + steps
-        target = rows * index.shape[1] + self._slots(position[rows, steps])
+        target = rows * index.shape[1] + self.slots(position[rows, steps])
         for name, tensor in (("keys", k), ("values", v)):
             buffer = state[name]
             rows_of = tensor.reshape(batch * length, *tensor.shape[2:]).index_select(0, source)
@@ -172,7 +172,7 @@ class WindowMixer(Mixer):
         q, k, v = self._project(x[:, None], position_embeddings)
         keys, values, index = state["keys"], state["values"], state["index"]
         position = index.max(dim=-1).values + 1  # [B]
-        rows, slot = torch.arange(batch, device=x.device), self._slots(position)
+        rows, slot = torch.arange(batch, device=x.device), self.slots(position)
         keys[rows, slot] = k[:, 0].to(keys.dtype)
         values[rows, slot] = v[:, 0].to(values.dtype)
         index[rows, slot] = position

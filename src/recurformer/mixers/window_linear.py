@@ -155,7 +155,7 @@ class WindowLinearMixer(WindowMixer):
 
         # Evict: the slots this block's tokens overwrite held the tokens leaving the window.
         rows, steps = (position >= 0).nonzero(as_tuple=True)
-        slot = self._slots(position[rows, steps])
+        slot = self.slots(position[rows, steps])
         overwritten = torch.zeros_like(index, dtype=torch.bool).index_put((rows, slot), torch.ones_like(slot, dtype=torch.bool))
         leaving = (overwritten & (index >= self.sinks)).to(ring_keys.dtype)  # [B, S]
         leaving_keys = ring_keys * leaving[:, None, :, None]
@@ -185,7 +185,7 @@ class WindowLinearMixer(WindowMixer):
         keys, values, index = state["keys"], state["values"], state["index"]
         rows = torch.arange(batch, device=x.device)
         position = index.max(dim=-1).values + 1  # [B]
-        slot = self._slots(position)
+        slot = self.slots(position)
         leaving = (index[rows, slot] >= self.sinks).to(torch.float32)[:, None, None, None]  # [B, 1, 1, 1]
         leaving_keys = self._phi(keys[rows, slot].float()[:, None], per_query_head=False) * leaving  # [B, G, 1, F]
         tail_kv, tail_k = state["tail_kv"].float(), state["tail_k"].float()  # the state itself when fp32

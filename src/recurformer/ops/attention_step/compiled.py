@@ -94,8 +94,8 @@ class AttentionStepKernel:
         out = x.new_empty(batch, self.heads * self.dim)
         kernels.run(
             OP, self.lib.rf_attention_step, ctypes.addressof(self.weights), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            keys.data_ptr(), values.data_ptr(), out.data_ptr(), None if starts is None else starts.data_ptr(), batch, cos.shape[0], capacity, length,
-            torch.get_num_threads(),
+            keys.data_ptr(), values.data_ptr(), out.data_ptr(), None if starts is None else starts.data_ptr(),
+            batch, cos.shape[0], capacity, length, torch.get_num_threads(),
         )
         return out
 

@@ -44,8 +44,9 @@ struct AttentionStepArgs : AttentionStepWeights {
 };
 
 // One work item: query heads q [group, D] of group g against cached tokens [t0, t1)
-// (none when t0 >= t1: maximum -inf, sums 0); writes, per head, (maximum score, sum of exp(score - maximum), sum of exp(...) v [D]) to
-// `partial` [group, D + 2]. `scores` holds group * CHUNK floats.
+// (none when t0 >= t1: maximum -inf, sums 0); writes, per head, (maximum score, sum of
+// exp(score - maximum), sum of exp(...) v [D]) to `partial` [group, D + 2]. `scores` holds
+// group * CHUNK floats.
 template <typename T>
 void attend_chunk(const AttentionStepArgs& a, const float* q, const T* keys, const T* values, int64_t t0, int64_t t1,
                   float* partial, float* scores) {
@@ -116,7 +117,8 @@ bool attention_step(const AttentionStepArgs& a) {
         const int64_t b = bg / G, g = bg % G;
         const int64_t cache = bg * a.capacity * D, start = a.starts ? a.starts[b] : 0;
         attend_chunk(a, q + (b * H + g * group) * D, (const T*)a.keys + cache, (const T*)a.values + cache,
-                     std::max(t0, start), std::min(a.length, t0 + CHUNK), partials + item * group * (D + 2), scores + item * group * CHUNK);
+                     std::max(t0, start), std::min(a.length, t0 + CHUNK), partials + item * group * (D + 2),
+                     scores + item * group * CHUNK);
       }))
     return false;
 
@@ -158,7 +160,8 @@ extern "C" {
 // values [B, G, capacity, D], and out [B, H D] receives the attention over slots
 // [starts[b], length) of row b (starts null: [0, length)). Returns 0, or 1 when out of memory.
 int rf_attention_step(const void* weights, const void* x, const void* cos, const void* sin, void* keys, void* values,
-                      void* out, const int64_t* starts, int64_t batch, int64_t cos_rows, int64_t capacity, int64_t length, int threads) {
+                      void* out, const int64_t* starts, int64_t batch, int64_t cos_rows, int64_t capacity,
+                      int64_t length, int threads) {
   AttentionStepArgs a;
   static_cast<AttentionStepWeights&>(a) = *(const AttentionStepWeights*)weights;
   a.batch = batch;
