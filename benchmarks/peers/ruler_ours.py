@@ -118,8 +118,6 @@ class Rows:
                 self._bytes(row, context), None
         if kind in self.scores:
             scores, scorer = self.scores[kind]
-            if scores is None:
-                raise SystemExit(f"error: row {kind}@{budget} needs --retrieval-scores")
             spec = select_heads(HeadScores.load(scores), beta, make_scorer(scorer))
             window = self.equal_window(budget)
             row = convert(self.original, spec, MixerConfig(kind="window", window=window, sinks=SINKS))
@@ -212,6 +210,8 @@ def main() -> None:
         if not (Path(folder) / "config.json").is_file():
             raise SystemExit(f"error: --budget {folder}: not a model folder (no config.json)")
     rows = [(name, *parse_row(name, budgets, args.compose_base)) for name in args.rows.split(",") if name]
+    if args.retrieval_scores is None and any(kind == "duo-retrieval" for _, kind, _ in rows):
+        raise SystemExit("error: duo-retrieval rows need --retrieval-scores")
     problems = json.loads(Path(args.problems).read_text())
     kinds = set(args.kinds.split(","))
     chosen = [(i, p) for i, p in enumerate(problems["problems"]) if p["kind"] in kinds]
