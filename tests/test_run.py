@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 from tiny_models import save_tiny_model, spec_for, tiny_model
 
+from recurformer import retrieval_probe
 from recurformer.cli import main
 from recurformer.config import ConfigError, MixerConfig
 from recurformer.data import DataError
@@ -390,9 +391,11 @@ def test_the_window_and_sinks_reach_the_converted_mixer(texts, tmp_path):
         assert (mixer.kind, mixer.window, mixer.sinks) == ("window+mamba", *expected)
 
 
-@pytest.mark.parametrize("scorer, statistic", [("ablation", "ablation"), ("ablation-greedy", "ablation_order")])
-def test_run_with_an_ablation_scorer_converts_the_cheapest_groups(texts, tmp_path, scorer, statistic):
+@pytest.mark.parametrize("scorer, statistic", [("ablation", "ablation"), ("ablation-greedy", "ablation_order"),
+                                               ("ablation-retrieval", "ablation_retrieval")])
+def test_run_with_an_ablation_scorer_converts_the_cheapest_groups(texts, tmp_path, scorer, statistic, monkeypatch):
     train, held_out = texts
+    monkeypatch.setattr(retrieval_probe, "NEEDLES", 1)  # the tiny tokenizer spends ~150 tokens on one
     model = save_tiny_model(tmp_path / "model", "llama")
     config = RunConfig(model=str(model), data=train, eval_data=held_out, quick=True, scorer=scorer, beta=0.5)
     run = Run(config, tmp_path / "run")
@@ -402,7 +405,7 @@ def test_run_with_an_ablation_scorer_converts_the_cheapest_groups(texts, tmp_pat
             stage(run)
     scores = json.loads((tmp_path / "run" / "scores.json").read_text())
     costs = {(g["layer"], g["kv_head"]): g[statistic] for g in scores["groups"]}
-    assert scores["ablation"]["ablation_seq_len"] == 128 and not (tmp_path / "run" / "ablation-partial.json").exists()
+    assert scores["ablation"]["ablation_seq_len"] == 256 and not (tmp_path / "run" / "ablation-partial.json").exists()
     converted = json.loads((tmp_path / "run" / "converted" / "config.json").read_text())
     assert {tuple(g) for g in converted["replacement"]["groups"]} == set(sorted(costs, key=lambda g: (costs[g], g))[:2])
 

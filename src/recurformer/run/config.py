@@ -141,7 +141,7 @@ class Sizes:
     run or the tiny `quick` one; the evaluation tasks size themselves (`Task.run_options`)."""
 
     analysis: AnalysisConfig = AnalysisConfig(sequences=16, seq_len=1024)
-    ablation: AblationConfig = AblationConfig()  # read only with --scorer ablation or ablation-greedy
+    ablation: AblationConfig = AblationConfig()  # read only with the ablation scorers
     bench: BenchConfig = BenchConfig(contexts=(512, 2048, 4096), decode_steps=32)
     fixed_steps: int | None = None  # quick: skip the timing and train this many steps
 
@@ -150,5 +150,6 @@ class Sizes:
         if not config.quick:
             return cls()
         return replace(cls(), analysis=AnalysisConfig(sequences=2, seq_len=128),
-                       ablation=AblationConfig(ablation_sequences=1, ablation_seq_len=128, ablation_from=64),
+                       # 256 tokens: the retrieval probe's 4 needles and questions fit with text around them
+                       ablation=AblationConfig(ablation_sequences=1, ablation_seq_len=256, ablation_from=128),
                        bench=BenchConfig(contexts=(64, 128), decode_steps=4), fixed_steps=2)
