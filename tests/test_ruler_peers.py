@@ -161,3 +161,44 @@ def test_the_table_scores_ranks_and_picks_the_headline_tasks(table, tmp_path):
     bad.write_text(json.dumps({"schema": "other"}))
     with pytest.raises(table.TableError, match="is not a"):
         table.load(bad, "our rows")
+
+
+def test_a_tagged_budget_is_ordered_by_its_fraction_and_plotted_as_its_own_method(table):
+    index = [{"kind": "ruler", "task": "easy", "context": 4096, "depth": None, "answers": ["111"]}]
+
+    def row(budget, kind, answer, cache):
+        return {"budget": budget, "kind": kind, "labels": {"4096": kind}, "cache": {"4096": cache},
+                "completions": {"0": answer}, "seconds": 1.0}
+
+    ours = {"schema": table.SCHEMA, "problems": "abc", "index": index, "tasks": ["easy"], "rows": {
+        "conversion@0.25-ablation-retrieval": row("0.25-ablation-retrieval", "conversion", "111", 100),
+        "window@0.25": row("0.25", "window", "x", 100),
+        "conversion@0.25": row("0.25", "conversion", "x", 100),
+        "conversion@0.5": row("0.5", "conversion", "111", 200),
+        "original": row(None, "original", "111", 400),
+    }}
+    text, points = table.render(ours, None)
+    names = [line.split("`")[1] for line in text.splitlines() if line.startswith("| `")]
+    assert names == ["original", "conversion@0.5", "conversion@0.25", "conversion@0.25-ablation-retrieval",
+                     "window@0.25"]
+    assert points["our conversion (trained)"] == [(0.5, 100.0), (0.25, 0.0)]
+    assert points["our conversion (trained), ablation-retrieval"] == [(0.25, 100.0)]
+    assert table.split_budget("0.25-ablation-retrieval") == (0.25, "ablation-retrieval")
+    for bad in ("0.25r", "half", "1.5", "0.25-"):
+        with pytest.raises(table.TableError, match="named by its cache fraction"):
+            table.split_budget(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0.25r=FOLDER", "--rows", "original"], "--budget '0.25r': a budget is named by its cache fraction"),
+    (["--budget", "0.25=FOLDER", "--rows", "duo-retrieval@0.25"], "duo-retrieval rows need --retrieval-scores"),
+    (["--budget", "0.25=FOLDER", "--rows", "bogus@0.25"], "rows are original or KIND@BUDGET"),
+])
+def test_ruler_ours_refuses_bad_rows_and_budgets_before_loading_a_model(argv, message, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    argv = [arg.replace("FOLDER", str(tmp_path)) for arg in argv]
+    with benchmark_script("peers.ruler_ours") as module:
+        monkeypatch.setattr("sys.argv", ["ruler_ours.py", *argv])
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+        with pytest.raises(SystemExit, match=message):
+            module.main()

@@ -7,10 +7,11 @@ is prefilled into the row's cache (a press compresses it then), the question is 
 uncompressed at its positions, then greedy tokens. The completions are stored; the table
 (`ruler_table.py`) scores them.
 
-A *budget* (`--budget NAME=DIR`, e.g. `0.5=runs/demo05/final`) is a converted model: at each
-context length C of the problems, every row of that budget holds the bytes that model's cache
-holds at C tokens (its kept K/V grow with C, its mixer state does not). Rows (`--rows`, each
-`KIND@BUDGET`):
+A *budget* (`--budget NAME=DIR`, e.g. `0.5=runs/demo05/final`; NAME is the cache fraction it
+stands for, with a tag when two models stand for one: `0.25-ablation-retrieval`) is a converted
+model: at each context length C of the problems, every row of that budget holds the bytes that
+model's cache holds at C tokens (its kept K/V grow with C, its mixer state does not). Rows
+(`--rows`, each `KIND@BUDGET`):
 
 - `conversion@B`: the budget's model itself;
 - `window@B`: the training-free `window` on its groups, ring buffer of its state's bytes
@@ -55,6 +56,7 @@ from recurformer.loading import load_any, load_model
 from benchmarks.common import RESULTS as ALL_RESULTS, ROOT
 
 from benchmarks.peers.kept_press import PRESSES, KeptPress
+from benchmarks.peers.ruler_table import TableError, split_budget
 
 RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-ruler-rows/1"
@@ -206,6 +208,11 @@ def main() -> None:
     budgets = dict(item.split("=", 1) for item in args.budget if "=" in item)
     if len(budgets) != len(args.budget):
         raise SystemExit(f"error: --budget takes NAME=DIR, got {args.budget}")
+    for name in budgets:
+        try:
+            split_budget(name)
+        except TableError as error:
+            raise SystemExit(f"error: --{error}") from None
     for folder in budgets.values():
         if not (Path(folder) / "config.json").is_file():
             raise SystemExit(f"error: --budget {folder}: not a model folder (no config.json)")

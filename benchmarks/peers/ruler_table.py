@@ -50,11 +50,29 @@ def load(path: Path, what: str) -> dict:
     return data
 
 
-def kind_name(kind: str) -> str:
-    """The method's name in the plot's legend."""
+def split_budget(name: str) -> tuple[float, str]:
+    """A budget's name is the cache fraction it stands for, optionally with a tag that tells
+    two models of one fraction apart: '0.25' -> (0.25, ''),
+    '0.25-ablation-retrieval' -> (0.25, 'ablation-retrieval')."""
+    fraction, _, tag = name.partition("-")
+    try:
+        value = float(fraction)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1 or name.endswith("-"):
+        raise TableError(f"budget {name!r}: a budget is named by its cache fraction in (0, 1), optionally "
+                         "followed by -TAG (e.g. 0.25 or 0.25-ablation-retrieval)")
+    return value, tag
+
+
+def kind_name(kind: str, budget: str | None = None) -> str:
+    """The method's name in the plot's legend (a tagged budget's rows are a method of their own)."""
     if kind.startswith("compose-"):
-        return f"our conversion + {KIND_NAMES[kind.removeprefix('compose-')]} on the kept heads"
-    return KIND_NAMES.get(kind, kind)
+        name = f"our conversion + {KIND_NAMES[kind.removeprefix('compose-')]} on the kept heads"
+    else:
+        name = KIND_NAMES.get(kind, kind)
+    tag = split_budget(budget)[1] if budget else ""
+    return f"{name}, {tag}" if tag else name
 
 
 def scores(row: dict, index: list[dict]) -> dict[int, float]:
@@ -86,7 +104,8 @@ def ordered(rows: dict) -> list[str]:
         row = rows[name]
         if row["budget"] is None:
             return (0, 0.0, 0, name)
-        return (1, -float(row["budget"]), kinds.index(row["kind"]) if row["kind"] in kinds else len(kinds), name)
+        return (1, -split_budget(row["budget"])[0], kinds.index(row["kind"]) if row["kind"] in kinds else len(kinds),
+                name)
 
     return sorted(rows, key=key)
 
@@ -128,7 +147,7 @@ def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
             continue
         fraction = row["cache"][ruler_context] / full
         top = headline(values)
-        points.setdefault(kind_name(row["kind"]), []).append((fraction, top))
+        points.setdefault(kind_name(row["kind"], row["budget"]), []).append((fraction, top))
         lines.append(f"| `{name}` | {row['labels'].get(ruler_context, '')} | {fraction:.3f} | "
                      + " | ".join(f"{values[t]:.0f}" for t in tasks)
                      + f" | {sum(values.values()) / len(tasks):.1f} | **{top:.1f}** | "
@@ -161,9 +180,11 @@ def plot(points: dict[str, list[tuple[float, float]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for method, values in sorted(points.items()):
-        values = sorted(values)
-        axes.plot([x for x, _ in values], [y for _, y in values], marker="o", label=method)
+    colors = plt.get_cmap("tab10").colors
+    for number, (method, values) in enumerate(sorted(points.items())):
+        values = sorted(values)  # more than ten methods: the next ten take the colors again with another marker
+        axes.plot([x for x, _ in values], [y for _, y in values], marker="os^D"[number // 10 % 4],
+                  color=colors[number % 10], linestyle="-" if method.startswith("our ") else "--", label=method)
     axes.set_xlabel("cache bytes at 4K tokens / the original's")
     axes.set_ylabel("RULER-4K headline (0-100)")
     axes.grid(alpha=0.3)
