@@ -189,6 +189,34 @@ def test_a_tagged_budget_is_ordered_by_its_fraction_and_plotted_as_its_own_metho
             table.split_budget(bad)
 
 
+def test_the_headline_interval_is_a_paired_bootstrap_over_each_tasks_problems(table):
+    index = [{"kind": "ruler", "task": "easy", "context": 4096, "depth": None, "answers": [str(n)]} for n in range(4)]
+    index.append({"kind": "passkey", "task": "passkey", "context": 1024, "depth": 0.5, "answers": ["12345"]})
+
+    def row(budget, kind, right):
+        return {"budget": budget, "kind": kind, "labels": {"4096": kind}, "cache": {"4096": 100, "1024": 25},
+                "completions": {str(n): str(n) if n in right else "x" for n in range(5)}, "seconds": 1.0}
+
+    ours = {"schema": table.SCHEMA, "problems": "abc", "index": index, "tasks": ["easy"], "rows": {
+        "original": row(None, "original", {0, 1, 2, 3}), "window@0.5": row("0.5", "window", {0, 1}),
+        "conversion@0.5": row("0.5", "conversion", {0, 1})}}
+    text, _ = table.render(ours, None)
+    ruler_table = text.split("Passkey at equal bytes")[0]
+    lines = {line.split("`")[1]: line for line in ruler_table.splitlines() if line.startswith("| `")}
+    assert lines["original"].endswith("| 100% | 100.0-100.0 |")  # every resampling of all-correct answers is 100
+    low, high = (float(v) for v in lines["window@0.5"].rsplit("|", 2)[1].split("-"))
+    assert 0 <= low < 50 < high <= 100
+    half = [s[0] for s in table.bootstrap_headlines([table.scores(ours["rows"]["window@0.5"], index)], index, ["easy"])]
+    assert len(half) == table.BOOTSTRAP_ROUNDS and set(half) <= {0, 25, 50, 75, 100} and len(set(half)) > 2
+    assert table.interval(list(range(101)), 0.9) == (5, 95)
+    # paired: two rows with the same answers differ by exactly 0 in every resampling
+    assert table.compare(ours, None, "window@0.5", "conversion@0.5") == (
+        "window@0.5 50.0 - conversion@0.5 50.0 = +0.0 (90% interval +0.0 to +0.0, 2000 resamplings of the problems)")
+    assert "= +50.0 (90% interval +" in table.compare(ours, None, "original", "window@0.5")
+    with pytest.raises(table.TableError, match="row 'bogus' does not exist"):
+        table.compare(ours, None, "original", "bogus")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "0.25r=FOLDER", "--rows", "original"], "--budget '0.25r': a budget is named by its cache fraction"),
     (["--budget", "0.25=FOLDER", "--rows", "duo-retrieval@0.25"], "duo-retrieval rows need --retrieval-scores"),

@@ -4,16 +4,20 @@ of RULER-4K score against cache fraction per method.
 
 Every completion is scored here, RULER problems by RULER's string match (`score_ruler`),
 passkey problems by our task's rule (`parse_key`), so all rows are scored alike. The
-*headline* is the mean over the tasks where the original scores at least 30%. The tables
+*headline* is the mean over the tasks where the original scores at least 30%; its 90%
+interval is a bootstrap over the problems (resampled within each task, the same draws for
+every row, so `--compare A,B` gives the interval of the difference of two rows). The tables
 replace the part of `--doc` between `<!-- ruler-tables:begin -->` and `<!-- ruler-tables:end -->`.
 
     python -m benchmarks.peers.ruler_table
+    python -m benchmarks.peers.ruler_table --compare conversion@0.5,kvzip@0.5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from benchmarks.common import RESULTS as ALL_RESULTS
 RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-ruler-rows/1"
 HEADLINE_FLOOR = 30.0  # a task enters the headline when the original scores at least this
+BOOTSTRAP_ROUNDS, BOOTSTRAP_SEED, LEVEL = 2000, 0, 0.90
 BEGIN, END = "<!-- ruler-tables:begin -->", "<!-- ruler-tables:end -->"
 KIND_NAMES = {"original": "original", "conversion": "our conversion (trained)", "window": "our `window`, no training",
               "duo": "DuoAttention-style", "duo-retrieval": "DuoAttention-style, retrieval-probe groups",
@@ -95,6 +100,46 @@ def ruler_scores(row: dict, index: list[dict], tasks: list[str]) -> dict[str, fl
             sum(1 for i in wanted if index[i]["task"] == t) for t in tasks}
 
 
+def bootstrap_headlines(rows: list[dict[int, float]], index: list[dict], tasks: list[str],
+                        rounds: int = BOOTSTRAP_ROUNDS, seed: int = BOOTSTRAP_SEED) -> list[list[float]]:
+    """The headline (0-100) of each row in each of `rounds` resamplings of the problems: each
+    task's problems drawn with replacement, the same draws for every row. `rows`: problem
+    index -> score of each row. Returns [round][row]."""
+    by_task = [[i for i, p in enumerate(index) if p["kind"] == "ruler" and p["task"] == t] for t in tasks]
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(rounds):
+        draws = [rng.choices(problems, k=len(problems)) for problems in by_task]
+        samples.append([100 * sum(sum(got[i] for i in draw) / len(draw) for draw in draws) / len(draws)
+                        for got in rows])
+    return samples
+
+
+def interval(values: list[float], level: float = LEVEL) -> tuple[float, float]:
+    """The central `level` interval of `values` (nearest-rank quantiles)."""
+    ordered_values = sorted(values)
+    tail = (1 - level) / 2
+    low = ordered_values[int(tail * (len(values) - 1) + 0.5)]
+    high = ordered_values[int((1 - tail) * (len(values) - 1) + 0.5)]
+    return low, high
+
+
+def compare(ours: dict, peers: dict | None, first: str, second: str) -> str:
+    """One line: the two rows' headlines, their difference and its bootstrap interval."""
+    index, rows = ours["index"], {**ours["rows"], **(peers or {}).get("rows", {})}
+    for name in (first, second):
+        if name not in rows or ruler_scores(rows[name], index, ours["tasks"]) is None:
+            raise TableError(f"--compare: row {name!r} does not exist or has not answered every RULER problem")
+    original = ruler_scores(rows["original"], index, ours["tasks"])
+    tasks = [t for t in ours["tasks"] if original[t] >= HEADLINE_FLOOR]
+    point = [sum(values[t] for t in tasks) / len(tasks)
+             for values in (ruler_scores(rows[name], index, ours["tasks"]) for name in (first, second))]
+    got = [scores(rows[name], index) for name in (first, second)]
+    low, high = (round(v, 9) + 0.0 for v in interval([a - b for a, b in bootstrap_headlines(got, index, tasks)]))
+    return (f"{first} {point[0]:.1f} - {second} {point[1]:.1f} = {point[0] - point[1]:+.1f} "
+            f"({LEVEL:.0%} interval {low:+.1f} to {high:+.1f}, {BOOTSTRAP_ROUNDS} resamplings of the problems)")
+
+
 def ordered(rows: dict) -> list[str]:
     """The original first, then the budgets, largest first, each in the order of `KIND_NAMES`
     (the compositions last)."""
@@ -136,9 +181,13 @@ def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
              f"(RULER's string match). **Headline**: the mean over the tasks where the original scores at least "
              f"{HEADLINE_FLOOR:.0f} ({', '.join(headline_tasks)}: one problem is at most "
              f"{100 / len(headline_tasks) / min(per_task[t] for t in headline_tasks):.1f} points of it); *all*: the "
-             "mean over every task. *cache*: the row's bytes at this length over the original's.", "",
-             "| row | method | cache | " + " | ".join(tasks) + " | all | **headline** | vs original |",
-             "|---|---|---|" + "---|" * (len(tasks) + 3)]
+             f"mean over every task. *cache*: the row's bytes at this length over the original's. *{LEVEL:.0%} "
+             f"interval*: of the headline, over {BOOTSTRAP_ROUNDS} resamplings of each task's problems; the rows "
+             "answer the same problems, so a difference between two rows varies less than their intervals "
+             "suggest (`ruler_table.py --compare A,B`).", "",
+             "| row | method | cache | " + " | ".join(tasks) + f" | all | **headline** | vs original | "
+             f"{LEVEL:.0%} interval |",
+             "|---|---|---|" + "---|" * (len(tasks) + 4)]
     points: dict[str, list[tuple[float, float]]] = {}
     for name in ordered(rows):
         row = rows[name]
@@ -147,11 +196,13 @@ def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
             continue
         fraction = row["cache"][ruler_context] / full
         top = headline(values)
+        low, high = interval([sample[0] for sample in
+                              bootstrap_headlines([scores(row, index)], index, headline_tasks)])
         points.setdefault(kind_name(row["kind"], row["budget"]), []).append((fraction, top))
         lines.append(f"| `{name}` | {row['labels'].get(ruler_context, '')} | {fraction:.3f} | "
                      + " | ".join(f"{values[t]:.0f}" for t in tasks)
                      + f" | {sum(values.values()) / len(tasks):.1f} | **{top:.1f}** | "
-                     f"{top / headline(original):.0%} |")
+                     f"{top / headline(original):.0%} | {low:.1f}-{high:.1f} |")
     passkey = [i for i, p in enumerate(index) if p["kind"] == "passkey"]
     cells = sorted({(index[i]["context"], index[i]["depth"]) for i in passkey})
     contexts = sorted({c for c, _ in cells})
@@ -201,10 +252,18 @@ def main() -> int:
     parser.add_argument("--peers", default=str(RESULTS / "ruler-kvpress.json"))
     parser.add_argument("--doc", default=str(ALL_RESULTS / "long-context.md"))
     parser.add_argument("--plot", default=str(RESULTS / "ruler-4k.png"))
+    parser.add_argument("--compare", metavar="A,B", help="print the headline difference of two rows and its "
+                        "interval, and write nothing")
     args = parser.parse_args()
     try:
         ours = load(Path(args.ours), "our rows")
         peers = load(Path(args.peers), "peer rows") if Path(args.peers).exists() else None
+        if args.compare:
+            names = args.compare.split(",")
+            if len(names) != 2:
+                raise TableError(f"--compare takes two row names separated by a comma, not {args.compare!r}")
+            print(compare(ours, peers, *names))
+            return 0
         tables, points = render(ours, peers)
         doc = Path(args.doc).read_text()
         if doc.count(BEGIN) != 1 or doc.count(END) != 1:
