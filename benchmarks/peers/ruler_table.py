@@ -127,7 +127,7 @@ def interval(values: list[float], level: float = LEVEL) -> tuple[float, float]:
 def compare(ours: dict, peers: dict | None, first: str, second: str) -> str:
     """One line: the two rows' headlines, their difference and its bootstrap interval."""
     index, rows = ours["index"], {**ours["rows"], **(peers or {}).get("rows", {})}
-    for name in (first, second):
+    for name in ("original", first, second):  # the original picks the headline tasks
         if name not in rows or ruler_scores(rows[name], index, ours["tasks"]) is None:
             raise TableError(f"--compare: row {name!r} does not exist or has not answered every RULER problem")
     original = ruler_scores(rows["original"], index, ours["tasks"])
