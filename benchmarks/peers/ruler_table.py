@@ -124,16 +124,33 @@ def interval(values: list[float], level: float = LEVEL) -> tuple[float, float]:
     return low, high
 
 
+def merged(ours: dict, peers: dict | None) -> tuple[dict, dict[str, float], list[str]]:
+    """Our rows and the peers' in one dict (each with its `kind`), the original's task scores,
+    and the headline tasks (those the original scores at least `HEADLINE_FLOOR` on)."""
+    if peers is not None and peers.get("problems") != ours.get("problems"):
+        raise TableError(f"our rows and the peer rows were made on different problem sets "
+                         f"({ours.get('problems')} and {peers.get('problems')})")
+    rows = {**ours["rows"], **(peers or {}).get("rows", {})}
+    for name, row in rows.items():
+        row.setdefault("kind", "original" if name == "original" else name.split("@")[0])
+    if "original" not in rows:
+        raise TableError("our rows have no 'original' row, the reference of every ratio")
+    original = ruler_scores(rows["original"], ours["index"], ours["tasks"])
+    if original is None:
+        raise TableError("the original has not answered every RULER problem yet")
+    return rows, original, [t for t in ours["tasks"] if original[t] >= HEADLINE_FLOOR]
+
+
 def compare(ours: dict, peers: dict | None, first: str, second: str) -> str:
     """One line: the two rows' headlines, their difference and its bootstrap interval."""
-    index, rows = ours["index"], {**ours["rows"], **(peers or {}).get("rows", {})}
-    for name in ("original", first, second):  # the original picks the headline tasks
-        if name not in rows or ruler_scores(rows[name], index, ours["tasks"]) is None:
+    index = ours["index"]
+    rows, _, tasks = merged(ours, peers)
+    point = []
+    for name in (first, second):
+        values = ruler_scores(rows[name], index, ours["tasks"]) if name in rows else None
+        if values is None:
             raise TableError(f"--compare: row {name!r} does not exist or has not answered every RULER problem")
-    original = ruler_scores(rows["original"], index, ours["tasks"])
-    tasks = [t for t in ours["tasks"] if original[t] >= HEADLINE_FLOOR]
-    point = [sum(values[t] for t in tasks) / len(tasks)
-             for values in (ruler_scores(rows[name], index, ours["tasks"]) for name in (first, second))]
+        point.append(sum(values[t] for t in tasks) / len(tasks))
     got = [scores(rows[name], index) for name in (first, second)]
     low, high = (round(v, 9) + 0.0 for v in interval([a - b for a, b in bootstrap_headlines(got, index, tasks)]))
     return (f"{first} {point[0]:.1f} - {second} {point[1]:.1f} = {point[0] - point[1]:+.1f} "
@@ -157,19 +174,8 @@ def ordered(rows: dict) -> list[str]:
 
 def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
     """The Markdown tables and the points of the plot {method: [(fraction, headline)]}."""
-    if peers is not None and peers.get("problems") != ours.get("problems"):
-        raise TableError(f"our rows and the peer rows were made on different problem sets "
-                         f"({ours.get('problems')} and {peers.get('problems')})")
     index, tasks = ours["index"], ours["tasks"]
-    rows = {**ours["rows"], **(peers or {}).get("rows", {})}
-    for name, row in rows.items():
-        row.setdefault("kind", "original" if name == "original" else name.split("@")[0])
-    if "original" not in rows:
-        raise TableError("our rows have no 'original' row, the reference of every ratio")
-    original = ruler_scores(rows["original"], index, tasks)
-    if original is None:
-        raise TableError("the original has not answered every RULER problem yet")
-    headline_tasks = [t for t in tasks if original[t] >= HEADLINE_FLOOR]
+    rows, original, headline_tasks = merged(ours, peers)
     ruler_context = next(str(p["context"]) for p in index if p["kind"] == "ruler")
     full = rows["original"]["cache"][ruler_context]
     per_task = {t: sum(1 for p in index if p["kind"] == "ruler" and p["task"] == t) for t in tasks}
