@@ -33,11 +33,22 @@ uncompressed, greedy until an EOS id of the problem set, a blank line or the pro
 
     $PEERS_VENV/bin/python benchmarks/peers/kvpress_eval.py --ruler runs/ruler-problems.json \
         --budgets 0.5,0.25 --presses expected-attention,snapkv,kvzip,tova,knorm
+
+`--shared PROBLEMS` measures the shared-context comparison ("Shared context: one prefill, many
+questions"): the problem set of `benchmarks/peers/shared_problems.py`, each press at each budget
+of `shared_ours.py`'s file, its ratio set per context so that it keeps the budget's bytes at that
+context's length; each context is prefilled once with the press on, then every question is
+answered by recurformer's own answering core (`src/recurformer/evaluate/conversation.py`, loaded
+by path: it imports only torch) in both modes.
+
+    $PEERS_VENV/bin/python benchmarks/peers/kvpress_eval.py --shared runs/shared-context-problems.json \
+        --budgets 0.5 --presses kvzip
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import tempfile
@@ -55,6 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "docs" / "results" / "long-context"
 SCHEMA = "recurformer-long-context-rows/1"
 RULER_SCHEMA = "recurformer-ruler-rows/1"
+SHARED_SCHEMA = "recurformer-shared-context-rows/1"
 PRESSES = {  # name -> (label, press class); every press with its defaults but the ratio
     "snapkv": ("SnapKV", SnapKVPress),
     "expected-attention": ("ExpectedAttention", ExpectedAttentionPress),
@@ -203,6 +215,72 @@ def measure_ruler(model, tokenizer, args) -> None:
     print(f"wrote {out}")
 
 
+def conversation_module():
+    """recurformer's answering core (`evaluate/conversation.py`), loaded by path: it imports
+    only torch, so both environments answer the shared-context questions with the same code."""
+    path = ROOT / "src" / "recurformer" / "evaluate" / "conversation.py"
+    spec = importlib.util.spec_from_file_location("recurformer_conversation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_shared(model, tokenizer, args) -> None:
+    """Every press at every budget of our rows on the shared-context problem set: each context
+    prefilled once with the press on (compressed then, before any question), then every question
+    in both modes from that cache, as `shared_ours.py` answers (module docstring)."""
+    conversation = conversation_module()
+    problems = read_json(Path(args.shared), "problem set")
+    ours = read_json(Path(args.ours), "our rows")
+    if ours.get("problems") != problems["digest"]:
+        raise SystemExit(f"error: {args.ours} was made on problem set {ours.get('problems')}, not {problems['digest']}")
+    per_token, eos, out = bytes_per_token(model), set(problems["eos"]), Path(args.out)
+
+    def stop(ids: list[int]) -> bool:  # recurformer.evaluate.shared_context.ends_answer
+        return "\n" in tokenizer.decode(ids, skip_special_tokens=True).lstrip()
+
+    for budget in (name for name in args.budgets.split(",") if name):
+        if budget not in ours.get("budgets", {}):
+            raise SystemExit(f"error: --budgets {budget}: not a budget of {args.ours} ({', '.join(ours.get('budgets', {}))})")
+        kept_per_token, state = ours["budgets"][budget]["line"]
+        for name in (n for n in args.presses.split(",") if n):
+            label, press_class = PRESSES[name]
+            row_name = f"{name}@{budget}"
+            results = read_json(out, "results") if out.exists() else {"schema": SHARED_SCHEMA,
+                                                                      "problems": problems["digest"], "rows": {}}
+            if results.get("problems") != problems["digest"]:
+                raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+            length = problems["context"]
+            ratio = 1 - ours["budgets"][budget]["bytes"] / (per_token * length)
+            row = results["rows"].get(row_name, {"budget": budget, "kind": name, "contexts": {}, "seconds": 0.0})
+            row.update(label=f"kvpress {label}, compression {ratio:.3f} at {length:,} tokens",
+                       cache=round(per_token * length * (1 - ratio)), full=per_token * length)
+            todo = [i for i in range(len(problems["contexts"][:args.contexts])) if str(i) not in row["contexts"]]
+            print(f"{row_name}: {len(todo)} contexts to answer", flush=True)
+            for index in todo:
+                context, start = problems["contexts"][index], time.time()
+                # the budget's bytes at this context's own length (its kept K/V grow with it, its state does not)
+                keep = (kept_per_token * len(context["ids"]) + state) / (per_token * len(context["ids"]))
+                cache = DynamicCache()
+                with torch.no_grad(), press_class(compression_ratio=1 - keep)(model):
+                    model.model(input_ids=torch.tensor(context["ids"])[None], past_key_values=cache)
+                answered = conversation.ask(model, cache, len(context["ids"]), context["questions"], context["later"],
+                                            context["golds"], eos, stop)
+                row["contexts"][str(index)] = {
+                    mode: [{"completion": tokenizer.decode(r["answer"], skip_special_tokens=True),
+                            "logprobs": [round(v, 5) for v in r["logprobs"]], "argmax": r["argmax"]}
+                           for r in records] for mode, records in answered.items()}
+                row["seconds"] += time.time() - start
+                latest = read_json(out, "results") if out.exists() else results
+                latest["rows"][row_name] = row
+                latest["versions"] = {n: version(n) for n in ("kvpress", "transformers", "torch")}
+                write_json_atomic(out, latest)
+                right = sum(r["completion"].strip().startswith(n["value"])
+                            for r, n in zip(row["contexts"][str(index)]["multi-request"], context["needles"]))
+                print(f"  context {index}: {right}/{len(context['needles'])} ({time.time() - start:.0f} s)", flush=True)
+    print(f"wrote {out}")
+
+
 def bytes_per_token(model) -> int:
     """K/V bytes one token costs in an uncompressed cache: every layer's keys and values."""
     config = model.config
@@ -238,7 +316,9 @@ def main() -> None:
     parser.add_argument("--model", default="/root/.cache/recurformer/models/smollm2-135m", help="a HF model folder")
     parser.add_argument("--out", help="default: peers-kvpress.json (ruler-kvpress.json with --ruler)")
     parser.add_argument("--ruler", metavar="PROBLEMS", help="the retrieval problem set (module docstring)")
-    parser.add_argument("--budgets", default="0.5,0.25", help="with --ruler: budgets of --ours")
+    parser.add_argument("--budgets", default="0.5,0.25", help="with --ruler or --shared: budgets of --ours")
+    parser.add_argument("--shared", metavar="PROBLEMS", help="the shared-context problem set (module docstring)")
+    parser.add_argument("--contexts", type=int, help="with --shared: answer only the first N contexts")
     args = parser.parse_args()
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -246,6 +326,12 @@ def main() -> None:
     unknown = [name for name in presses if name not in PRESSES]
     if unknown:
         raise SystemExit(f"error: --presses: unknown {unknown}; choose from {', '.join(PRESSES)}")
+    if args.shared:
+        args.ours = args.ours or str(RESULTS / "shared-ours.json")
+        args.out = args.out or str(RESULTS / "shared-kvpress.json")
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        measure_shared(model, AutoTokenizer.from_pretrained(args.model), args)
+        return
     if args.ruler:
         args.ours = args.ours or str(RESULTS / "ruler-ours.json")
         args.out = args.out or str(RESULTS / "ruler-kvpress.json")

@@ -1,8 +1,10 @@
 """Evaluation tasks behind `recurformer eval --task NAME` and the `evaluate` stage of `run`.
 
-Each module of this package (other than `registry`, and `logits`, which the tasks that
-score every position share) defines one task and registers it; they are all imported
-here, so adding a task adds a module (with its test and its doc) and touches nothing else. See docs/tasks.md.
+Each module of this package defines one task and registers it, other than `registry` and
+the helpers the tasks share: `logits` (scoring every position), `generation` (greedy
+answers), `conversation` (questions about one prefilled context) and `bootstrap` (intervals
+over contexts). They are all imported here, so adding a task adds a module (with its test
+and its doc) and touches nothing else. See docs/tasks.md.
 """
 
 import importlib

@@ -352,7 +352,7 @@ def solved(draw: Draw, context: str, question: str) -> str:
     return f"{context}{question} {', '.join(draw.answers)}.\n\n"
 
 
-def _fit(length: Callable[[int], int], budget: int, most: int) -> int:
+def largest_fitting(length: Callable[[int], int], budget: int, most: int) -> int:
     """The largest n in [1, most] with length(n) <= budget (length grows with n); 0 if none."""
     low, high = 0, 1
     while high < most and length(high) <= budget:  # doubling first: no prompt much longer than the budget
@@ -381,8 +381,8 @@ def generate_ruler(tokenizer, sources: Sources, task_names: tuple[str, ...], tok
     def build(task: Ruler, name: str, draw: Draw, budget: int, example: str = "") -> tuple[str, str]:
         task = task.sized(budget)
         most = task.max_units(sources, budget)
-        n = _fit(lambda k: size(*render(fmt, tokenizer, task, draw, task.haystack(draw, k, sources), example)),
-                 budget, most)
+        n = largest_fitting(
+            lambda k: size(*render(fmt, tokenizer, task, draw, task.haystack(draw, k, sources), example)), budget, most)
         if n == 0:
             raise NoRoom(f"a {budget}-token prompt leaves no room for a {name} haystack")
         if n == most < budget:  # the text, not the budget, bounded the haystack

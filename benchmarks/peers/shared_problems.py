@@ -1,0 +1,68 @@
+"""The problem set of the shared-context comparison at equal bytes (docs/results/long-context.md,
+"Shared context: one prefill, many questions"): token ids that every row reads, ours
+(`shared_ours.py`) and kvpress's (`kvpress_eval.py --shared`, another virtual environment that
+cannot import recurformer).
+
+Our `shared-context` task's contexts (`tasks/shared_context.py`: held-out WikiText-2 text,
+its default format and needle count, seed 0), `--contexts` of `--context` tokens. Each context
+is `ids` (what a press may compress), and per asked needle its question as the first turn
+(`questions`) and as a later turn (`later`), its gold answer (`golds`, with the space before
+the value), the index of the gold's first visible token (`starts`), the needle's kind, depth
+and value. `eos` are the ids that end an answer; an answer also ends at a line break.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.peers.shared_problems
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+
+from recurformer.evaluate.ruler import eos_ids
+from recurformer.evaluate.shared_context import BEST_FORMAT, NEEDLES, context_ids, shared_problems, value_start
+from recurformer.files import write_json_atomic
+from recurformer.loading import load_model
+from recurformer.tasks.shared_context import FORMATS
+
+from benchmarks.common import HELD_OUT, ROOT
+
+SCHEMA = "recurformer-shared-context-problems/1"
+PROBLEMS = ROOT / "runs" / "shared-context-problems.json"
+
+
+def digest(problems: dict) -> str:
+    """A short fingerprint of a problem set: results made on different sets are not compared."""
+    return hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(PROBLEMS))
+    parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer makes the ids")
+    parser.add_argument("--context", type=int, default=4096, help="tokens of each context")
+    parser.add_argument("--contexts", type=int, default=24)
+    parser.add_argument("--needles", type=int, default=NEEDLES)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", default=BEST_FORMAT, choices=FORMATS)
+    args = parser.parse_args()
+    model, tokenizer, _ = load_model(args.model, progress=False)
+    contexts = []
+    for problem in shared_problems(tokenizer, [str(HELD_OUT)], args.contexts, args.context, args.needles,
+                                   args.needles, args.seed, args.format):
+        ids = context_ids(tokenizer, problem)
+        contexts.append({"ids": ids.context, "questions": ids.questions, "later": ids.later, "golds": ids.golds,
+                         "starts": [value_start(tokenizer, g) for g in ids.golds],
+                         "needles": [{"kind": problem.needles[i].kind, "depth": problem.needles[i].depth,
+                                      "value": problem.needles[i].value} for i in problem.asked]})
+    problems = {"schema": SCHEMA, "model": args.model, "format": args.format, "haystack": HELD_OUT.name,
+                "seed": args.seed, "context": args.context, "needles": args.needles,
+                "eos": sorted(eos_ids(model, tokenizer)), "contexts": contexts}
+    problems["digest"] = digest(problems)
+    write_json_atomic(args.out, problems)
+    print(f"wrote {args.out}: {len(contexts)} contexts of {args.context:,} tokens, {args.needles} questions each, "
+          f"digest {problems['digest']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The shared-context table of docs/results/long-context.md ("Shared context: one prefill, many
+questions"), from our rows (`shared_ours.py`) and kvpress's (`kvpress_eval.py --shared`), the
+paired comparisons the docs state, and the plot of the headline against cache fraction.
+
+Every answer is scored here, alike for all rows: *exact* (the completion starts with the value,
+`recurformer.tasks.shared_context.is_exact`), *log-probability* (the mean over the value's tokens
+from its first visible one) and *first* (that token was the greedy one). The **headline** is the
+multi-request exact match (0-100). Intervals (90%) resample whole contexts, and a row's
+trainings where it has several (rows `NAME~sN` pool into `NAME`); a comparison resamples the
+contexts of both rows together (`recurformer.evaluate.bootstrap`). The tables replace the part
+of `--doc` between `<!-- shared-context:begin -->` and `<!-- shared-context:end -->`.
+
+    python -m benchmarks.peers.shared_table
+    python -m benchmarks.peers.shared_table --compare conversion@0.5,window@0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recurformer.errors import RecurformerError
+from recurformer.evaluate.bootstrap import interval, paired_interval
+from recurformer.files import atomic_file, write_text_atomic
+from recurformer.tasks.shared_context import KINDS, is_exact
+
+from benchmarks.common import RESULTS as ALL_RESULTS
+from benchmarks.peers.ruler_table import TableError, kind_name, ordered
+
+RESULTS = ALL_RESULTS / "long-context"
+SCHEMA = "recurformer-shared-context-rows/1"
+BEGIN, END = "<!-- shared-context:begin -->", "<!-- shared-context:end -->"
+MODES = ("multi-request", "multi-turn")
+# The comparisons the docs state, each printed with its paired interval when both rows exist.
+COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversion@0.5,duo@0.5",
+               "conversion@0.5,kvzip@0.5", "conversion@0.5,streaming@0.5", "window@0.5,original",
+               "conversion@0.25,window@0.25", "conversion@0.25,kvzip@0.25",
+               "conversion@0.25-ablation-retrieval,kvzip@0.25",
+               "conversion@0.25-ablation-retrieval,conversion@0.25")
+
+
+def load(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise TableError(f"{what} file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise TableError(f"{what} file {path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("rows"), dict):
+        raise TableError(f"{what} file {path} is not a {SCHEMA} file")
+    return data
+
+
+def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
+    """One context's answers -> {measure: [question scores]} per mode: exact and first in 0-100."""
+    out = {}
+    for mode in MODES:
+        records = answers[mode]
+        out[f"{mode}/exact"] = [100.0 * is_exact(r["completion"], n["value"])
+                                for r, n in zip(records, context["needles"])]
+        out[f"{mode}/first"] = [100.0 * r["argmax"][s] for r, s in zip(records, context["starts"])]
+        out[f"{mode}/logprob"] = [sum(r["logprobs"][s:]) / len(r["logprobs"][s:])
+                                  for r, s in zip(records, context["starts"])]
+    out["by_kind"] = {k: [e for e, n in zip(out["multi-request/exact"], context["needles"]) if n["kind"] == k]
+                      for k in KINDS}
+    return out
+
+
+class Table:
+    """Rows pooled over their trainings and scored per context."""
+
+    def __init__(self, ours: dict, peers: dict | None):
+        if peers is not None and peers.get("problems") != ours.get("problems"):
+            raise TableError(f"our rows and the peer rows were made on different problem sets "
+                             f"({ours.get('problems')} and {peers.get('problems')})")
+        self.index = ours["index"]
+        self.rows: dict[str, list[dict]] = {}
+        for name, row in {**ours["rows"], **(peers or {}).get("rows", {})}.items():
+            if len(row["contexts"]) == len(self.index):  # finished rows only
+                row.setdefault("kind", "original" if name == "original" else name.split("@")[0])
+                row["budget"] = row["budget"].split("~")[0] if row.get("budget") else None
+                self.rows.setdefault(name.split("~")[0], []).append(row)
+        if "original" not in self.rows:
+            raise TableError("the original has not answered every context yet: it is the reference of every ratio")
+
+    def measure(self, name: str, measure: str) -> list[list[list[float]]]:
+        """`[training][context][question]` scores of a pooled row."""
+        if name not in self.rows:
+            raise TableError(f"row {name!r} does not exist or has not answered every context")
+        return [[score(row["contexts"][str(i)], context)[measure] for i, context in enumerate(self.index)]
+                for row in self.rows[name]]
+
+    def compare(self, first: str, second: str) -> str:
+        parts = []
+        for measure, unit in (("multi-request/exact", ""), ("multi-turn/exact", ""), ("multi-request/logprob", " nats")):
+            diff, low, high = paired_interval(self.measure(first, measure), self.measure(second, measure))
+            parts.append(f"{measure} {diff:+.{1 if not unit else 3}f}{unit} "
+                         f"({low:+.{1 if not unit else 3}f} to {high:+.{1 if not unit else 3}f})")
+        return f"`{first}` - `{second}`: " + "; ".join(parts)
+
+    def render(self) -> tuple[str, dict]:
+        contexts, questions = len(self.index), sum(len(c["needles"]) for c in self.index)
+        original = self.measure("original", "multi-request/exact")
+        top = interval(original)[0]
+        lines = [f"{contexts} contexts, {questions} questions in all. *cache*: the row's bytes at the context length "
+                 "over the original's. **Headline**: multi-request exact match (0-100); every value is the mean "
+                 "over the contexts (and trainings: *trained* counts them) with its 90% interval, which resamples "
+                 "whole contexts and the row's trainings. *log p*: the gold value's mean log-probability per token "
+                 "(nats); *first*: its first token was the greedy one (%).", "",
+                 "| row | method | trained | cache | **headline** | vs original | multi-turn exact | log p | first "
+                 "| number | uuid | word |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        points: dict[str, list[tuple[float, float, float, float]]] = {}
+        flat = {name: rows[0] for name, rows in self.rows.items()}
+        for name in ordered(flat):
+            rows, first = self.rows[name], flat[name]
+            fraction = first["cache"] / first["full"]
+            head, low, high = interval(self.measure(name, "multi-request/exact"))
+            turn = interval(self.measure(name, "multi-turn/exact"))
+            logp = interval(self.measure(name, "multi-request/logprob"))
+            firsts = interval(self.measure(name, "multi-request/first"))[0]
+            by_kind = [interval([[c[k] for c in training] for training in self.measure(name, "by_kind")])[0]
+                       for k in KINDS]
+            trained = str(len(rows)) if first["kind"] == "conversion" else "-"
+            points.setdefault(kind_name(first["kind"], first["budget"]), []).append((fraction, head, low, high))
+            lines.append(f"| `{name}` | {first['label']} | {trained} | {fraction:.3f} | **{head:.1f}** ({low:.1f}-"
+                         f"{high:.1f}) | {head / top:.0%} | {turn[0]:.1f} ({turn[1]:.1f}-{turn[2]:.1f}) | "
+                         f"{logp[0]:.3f} ({logp[1]:.3f} to {logp[2]:.3f}) | {firsts:.1f} | "
+                         + " | ".join(f"{v:.0f}" for v in by_kind) + " |")
+        stated = [self.compare(*pair.split(",")) for pair in COMPARISONS if all(n in self.rows for n in pair.split(","))]
+        if stated:
+            lines += ["", "Paired differences (first row minus second; 90% intervals resampling the contexts of both "
+                      "rows together and each row's trainings), `shared_table.py --compare A,B`:", ""]
+            lines += [f"- {line}" for line in stated]
+        return "\n".join(lines) + "\n", points
+
+
+def plot(points: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab10").colors
+    for number, (method, values) in enumerate(sorted(points.items())):
+        values = sorted(values)
+        axes.errorbar([v[0] for v in values], [v[1] for v in values],
+                      yerr=[[v[1] - v[2] for v in values], [v[3] - v[1] for v in values]], capsize=3,
+                      marker="os^D"[number // 10 % 4], color=colors[number % 10],
+                      linestyle="-" if method.startswith("our ") else "--", label=method)
+    axes.set_xlabel("cache bytes at the context length / the original's")
+    axes.set_ylabel("shared-context headline (multi-request exact, 0-100)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    with atomic_file(path) as temporary:
+        figure.savefig(temporary, format="png", dpi=120)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ours", default=str(RESULTS / "shared-ours.json"))
+    parser.add_argument("--peers", default=str(RESULTS / "shared-kvpress.json"))
+    parser.add_argument("--doc", default=str(ALL_RESULTS / "long-context.md"))
+    parser.add_argument("--plot", default=str(RESULTS / "shared-context.png"))
+    parser.add_argument("--compare", metavar="A,B", help="print the paired differences of two rows, write nothing")
+    args = parser.parse_args()
+    try:
+        ours = load(Path(args.ours), "our rows")
+        table = Table(ours, load(Path(args.peers), "peer rows") if Path(args.peers).exists() else None)
+        if args.compare:
+            names = args.compare.split(",")
+            if len(names) != 2:
+                raise TableError(f"--compare takes two row names separated by a comma, not {args.compare!r}")
+            print(table.compare(*names))
+            return 0
+        text, points = table.render()
+        doc = Path(args.doc).read_text()
+        if doc.count(BEGIN) != 1 or doc.count(END) != 1:
+            raise TableError(f"{args.doc} needs one {BEGIN} and one {END} line")
+    except RecurformerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    head, rest = doc.split(BEGIN)
+    write_text_atomic(args.doc, head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
+    plot(points, Path(args.plot))
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
