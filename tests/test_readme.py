@@ -1,5 +1,7 @@
 """The README's numbers are the numbers of the files it cites: each row of its two tables is
-rebuilt here from the JSON named in the row's source column."""
+rebuilt here from the JSON named in the row's source column. And the docs hold: every file
+they name exists, every table row is as wide as its header, no machine's own paths, the
+example run's figures in docs/mixers.md are its metrics, the license file is the declared one."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from recurformer.metrics import Metric, Row, render_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -87,3 +91,82 @@ def test_the_speed_table_is_the_benchmarks_ratios():
 @pytest.mark.parametrize("path", re.findall(r"`((?:docs|benchmarks|src|tests)/[^`* ]+)`", README))
 def test_every_file_the_readme_names_exists(path):
     assert (ROOT / path.rstrip("/")).exists(), path
+
+
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+# docs/architecture.md's recipes were tried on throwaway branches: the files they name are not kept
+RECIPE_EXAMPLES = {"tests/test_drop_mixer.py", "tests/test_copy.py"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_a_doc_names_exists(doc):
+    """Paths a document names from the repository root (`docs/...`, `benchmarks/...`, `src/...`,
+    `tests/...`) exist; runs/ and ../shared are made or brought by the user, so not checked."""
+    named = re.findall(r"`((?:docs|benchmarks|src|tests)/[^`* ]+)`", doc.read_text())
+    files = [p for p in named if not re.search(r"[{<]|\.[A-Z]", p) and p not in RECIPE_EXAMPLES]  # not symbols
+    missing = [p for p in files if not (ROOT / p.rstrip("/")).exists()]
+    assert not missing, missing
+
+
+def test_the_license_file_is_the_declared_license():
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_mixers_doc_shows_the_example_runs_figures():
+    """docs/mixers.md's table of the example run: its rival's and its trained model's row."""
+    doc = " ".join((ROOT / "docs" / "mixers.md").read_text().split())  # prose wraps
+    m = load(RUN)
+
+    def ppl(key: str, model: str) -> str:
+        value, original = m[f"{key}_{model}"], m[f"{key}_original"]
+        return f"{value:.2f} ({value / original:.3f}x)"
+
+    rival = (f"| `window` {m['baseline_window']} + {m['sinks']}, untrained (the rival) | {ppl('ppl', 'baseline')} | "
+             f"{ppl('ppl_ood', 'baseline')} | {ppl('ppl_far', 'baseline')} | {m['ruler_baseline']:.1f} | "
+             f"{100 * m['agreement_top1_baseline']:.1f}% / {m['agreement_kl_baseline']:.3f} |")
+    trained = (f"| **`window+mamba2` w{m['window']}, N {m['ssd_state']}, trained** | **{ppl('ppl', 'final')}** | "
+               f"**{ppl('ppl_ood', 'final')}** | **{ppl('ppl_far', 'final')}** | **{m['ruler_final']:.1f}** | "
+               f"**{100 * m['agreement_top1_final']:.1f}% / {m['agreement_kl_final']:.3f}** |")
+    steps = (f"{m['transfer_steps']} + {m['lm_steps']} steps, "
+             f"{m['transfer_tokens'] + m['lm_tokens']:,} tokens")
+    for expected in (rival, trained, steps, f"| {m['total_minutes']:.1f} minutes |"):
+        assert expected in doc, expected
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "docs").rglob("*") if p.suffix in (".md", ".json")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_doc_or_result_names_a_machines_own_paths(path):
+    """Results and docs name files as the repository does (`runs/...`), not by where this clone lies."""
+    found = re.findall(r"(?<![\w.~])/(?:work|root|home)/[\w.-]+", path.read_text())
+    assert not found, found[:3]
+
+
+def table_widths(text: str) -> list[tuple[int, int, int]]:
+    """(line number, header cells, row cells) of every Markdown table row; a `|` inside
+    backticks or escaped as `\\|` is not a cell border."""
+    def width(line: str) -> int:
+        return len(re.findall(r"(?<!\\)\|", re.sub(r"`[^`]*`", "", line.strip()))) - 1
+
+    lines, found = text.splitlines(), []
+    for number, line in enumerate(lines):
+        if line.lstrip().startswith("|") and number + 1 < len(lines) and re.fullmatch(r"\s*\|[-:| ]+\|\s*",
+                                                                                       lines[number + 1]):
+            row = number + 2
+            while row < len(lines) and lines[row].lstrip().startswith("|"):
+                found.append((row + 1, width(line), width(lines[row])))
+                row += 1
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_row_has_its_headers_cells(doc):
+    bad = [(line, header, row) for line, header, row in table_widths(doc.read_text()) if header != row]
+    assert not bad, bad[:3]
+
+
+def test_a_run_report_escapes_a_bar_inside_a_cell():
+    table = {"kl": Metric("kl", "KL(original || model)", lambda results: 0.5, fmt="{:.2f}")}
+    lines = render_rows([Row("KL(original || model)", None, "kl", None)], {"kl": 0.5}, table)
+    assert table_widths("\n".join(lines)) == [(3, 5, 5)]

@@ -25,9 +25,9 @@ kept, not recomputed.
 
 `--ruler PROBLEMS` measures the retrieval comparison instead ("Retrieval at equal cache bytes"):
 the problem set of `benchmarks/peers/ruler_problems.py` (RULER at 4K, passkey at 1K/2K/4K),
-each press at each budget of our rows' file (`--ours`, `ruler_peers.py`'s: a budget's bytes at
+each press at each budget of our rows' file (`--ours`, `ruler_ours.py`'s: a budget's bytes at
 each context length C), its ratio set at each C so that it keeps those bytes of a C-token
-context; answers as `ruler_peers.py` answers (context prefilled with the press on, question
+context; answers as `ruler_ours.py` answers (context prefilled with the press on, question
 uncompressed, greedy until an EOS id of the problem set, a blank line or the problem's
 `max_new_tokens`); rows and problems already in `--out` are kept, so a run resumes.
 
@@ -150,7 +150,7 @@ def measure(model, tokenizer, press, problems: dict) -> dict:
 def ruler_answer(model, tokenizer, press, ids: list[int], question_start: int, max_new_tokens: int,
                  eos: set[int]) -> tuple[list[int], DynamicCache]:
     """Prefill the context with the press on, feed the question at its positions, then greedy
-    tokens until an `eos` id, a blank line or `max_new_tokens` (`ruler_peers.py`'s rule); the
+    tokens until an `eos` id, a blank line or `max_new_tokens` (`ruler_ours.py`'s rule); the
     answer's ids and the cache after the prefill's compression."""
     cache = DynamicCache()
     with press(model):

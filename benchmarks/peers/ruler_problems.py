@@ -1,5 +1,5 @@
 """The shared problem set of the retrieval comparison at equal bytes (docs/results/long-context.md,
-"Retrieval at equal cache bytes"): token ids that every row reads, ours (`ruler_peers.py`) and
+"Retrieval at equal cache bytes"): token ids that every row reads, ours (`ruler_ours.py`) and
 kvpress's (`benchmarks/peers/kvpress_eval.py --ruler`, another virtual environment that cannot
 import recurformer).
 

@@ -1,5 +1,5 @@
 """The retrieval tables of docs/results/long-context.md ("Retrieval at equal cache bytes"), from our
-rows (`ruler_peers.py`) and kvpress's (`benchmarks/peers/kvpress_eval.py --ruler`), and the plot
+rows (`ruler_ours.py`) and kvpress's (`benchmarks/peers/kvpress_eval.py --ruler`), and the plot
 of RULER-4K score against cache fraction per method.
 
 Every completion is scored here, RULER problems by RULER's string match (`score_ruler`),

@@ -33,7 +33,7 @@ from recurformer.commands import bench_command, convert_command
 from recurformer.config import MixerConfig
 from recurformer.scoring import SelectionConfig
 
-from benchmarks.common import RESULTS, ROOT
+from benchmarks.common import RESULTS
 
 VARIANTS = "mamba:0.5,mamba:0.75,mamba2:0.5,window:0.5,window+linear:0.5,window+mamba:0.5,window+mamba2:0.5"
 
@@ -75,7 +75,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="ratios are medians over rounds, with their range")
     parser.add_argument("--prefill-once", action="store_true",
                         help="each model prefills once; its rounds decode from copies of that cache (large batches)")
-    parser.add_argument("--work", default=str(ROOT / "runs" / "bench"))
+    # relative, so that bench.json names the models as the repository does, not by this machine's paths
+    parser.add_argument("--work", default=str(Path("runs") / "bench"), help="where the conversions go (from the "
+                        "repository root)")
     parser.add_argument("--out", default=str(RESULTS), help="folder for bench.json and bench.png")
     args = parser.parse_args()
     work = Path(args.work)

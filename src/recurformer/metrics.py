@@ -266,5 +266,6 @@ def render_rows(rows: Iterable[Row], values: dict[str, Any], table: dict[str, Me
         ratio = cell(row.ratio) + (f" ({cell(row.note)})" if row.note else "")
         baseline = cell(row.baseline) + (f" ({cell(row.baseline_ratio)})" if row.baseline_ratio else "")
         cells = (row.label.format(**shown), cell(row.original), cell(row.converted), ratio, baseline)
+        cells = [c.replace("|", "\\|") for c in cells]  # a "|" (KL(original || model)) would end the cell
         lines.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
     return lines
