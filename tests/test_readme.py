@@ -10,7 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_model, spec_for, tiny_model
 
+from recurformer import convert
+from recurformer.cli import main
 from recurformer.metrics import Metric, Row, render_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,3 +173,31 @@ def test_a_run_report_escapes_a_bar_inside_a_cell():
     table = {"kl": Metric("kl", "KL(original || model)", lambda results: 0.5, fmt="{:.2f}")}
     lines = render_rows([Row("KL(original || model)", None, "kl", None)], {"kl": 0.5}, table)
     assert table_widths("\n".join(lines)) == [(3, 5, 5)]
+
+
+def test_the_library_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The README's example on a tiny model (its name and scores file swapped for the tiny model's),
+    then `recurformer generate` on the folder it saved, which has no tokenizer of its own."""
+    tiny = save_tiny_model(tmp_path / "tiny")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. A recurrent state has a fixed size.\n" * 40)
+    scores = tmp_path / "scores.json"
+    assert main(["analyze", str(tiny), "--data", str(text), "--out", str(scores), "--sequences", "2", "--seq-len",
+                 "64", "--ablation-sequences", "1", "--ablation-seq-len", "64", "--ablation-from", "32"]) == 0
+    code = README.split("## Library", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'recurformer.resolve_model("smollm2-135m")' in code and "docs/results/example-run/scores.json" in code
+    code = code.replace('recurformer.resolve_model("smollm2-135m")', repr(str(tiny)))
+    code = code.replace('"docs/results/example-run/scores.json"', repr(str(scores)))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert not (tmp_path / "converted" / "tokenizer.json").exists()
+    assert main(["generate", "converted/", "--prompt", "The quick", "--max-new-tokens", "3"]) == 0
+
+
+def test_a_folder_without_tokenizer_or_source_says_how_to_add_one(tmp_path, capsys):
+    model = tiny_model("llama")  # built from a config: no folder to record as its source
+    convert(model, spec_for(model, 0.5)).save_pretrained(tmp_path / "converted")
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "converted"), "--prompt", "x"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "no tokenizer files" in errors[0] and "tokenizer.save_pretrained(" in errors[0]

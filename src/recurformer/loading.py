@@ -32,7 +32,22 @@ def load_checked(directory: str | Path, dtype: torch.dtype = torch.float32):
         raise DamagedFileError(f"{directory}: its weights cannot be read ({str(error).splitlines()[0]})") from None
     files = weight_files(directory)
     check_finite_weights(model, files[0] if len(files) == 1 else directory)
-    return model, AutoTokenizer.from_pretrained(directory)
+    return model, load_tokenizer(directory, model)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(directory: Path, model):
+    """The tokenizer saved in `directory`, else (a converted model saved by `save_pretrained`
+    alone) the one of the model it was converted from; a one-line error if neither."""
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return AutoTokenizer.from_pretrained(directory)
+    source = getattr(model.config, "source_model", None)
+    if source:
+        return AutoTokenizer.from_pretrained(resolve_model(source, progress=False))
+    raise ConfigError(f"{directory}: no tokenizer files, and no recorded source model to take them from; save the "
+                      f"model's tokenizer beside it: tokenizer.save_pretrained('{directory}')")
 
 
 def load_model(name_or_path: str, progress: bool = True, dtype: torch.dtype = torch.float32):

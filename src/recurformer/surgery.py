@@ -17,6 +17,7 @@ from transformers.initialization import no_init_weights
 
 from .config import ConfigError, MixerConfig, ReplacementSpec
 from .errors import RecurformerError
+from .hub import source_name
 from .mixers import Mixer, ReplacedHeads, resolve_for_model
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM, check_architecture
 
@@ -72,6 +73,20 @@ def _rows(heads: list[int], head_dim: int) -> Tensor:
     return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
 
 
+def loaded_from(model: nn.Module) -> str | None:
+    """[ours] Where `from_pretrained` loaded `model` from, as a converted model records its source
+    (`hub.source_name`), so that a folder the library converted and saved finds its original
+    (the teacher, its tokenizer) as one `convert` and `run` wrote does; None for a model built
+    from a config or whose folder is gone."""
+    name = getattr(model.config, "_name_or_path", "")
+    if not name:
+        return None
+    try:
+        return source_name(name)
+    except RecurformerError:
+        return None
+
+
 def convert(
     model: nn.Module,
     spec: ReplacementSpec,
@@ -90,7 +105,8 @@ def convert(
         init: `reuse` derives what it can of each mixer from the replaced heads' weights
             (see docs/method.md); `random` keeps the mixer's own initialization (control).
         seed: seeds the mixers' random initialization.
-        source_model: the name or path of `model`, recorded so training can find the teacher.
+        source_model: the name or path of `model`, recorded so training can find the teacher
+            (default: where `from_pretrained` loaded `model` from, `loaded_from`).
     """
     if init not in INITS:
         raise ConfigError(f"init: unknown {init!r}; choose one of {', '.join(INITS)}")
@@ -105,7 +121,7 @@ def convert(
     mixer_config = resolve_for_model(mixer_config or MixerConfig(), text)
     config = RecurFormerConfig(
         text_config=copy.deepcopy(text), replacement=spec.to_dict(), mixer=mixer_config.to_dict(),
-        source_model=source_model, source_fingerprint=model_fingerprint(model),
+        source_model=source_model or loaded_from(model), source_fingerprint=model_fingerprint(model),
     )
     config.text_config._attn_implementation = text._attn_implementation
     with no_init_weights():
