@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM
 
 import recurformer  # noqa: F401
 from recurformer.cli import main
+from recurformer.commands import recipe_train_config
 from recurformer.config import kinds_reading
+from recurformer.recipe import RECIPES
 
 TEXT = " = Doc = \n" + " ".join(["the quick brown fox jumps over the lazy dog ."] * 400) + "\n"
 
@@ -228,3 +230,18 @@ def test_eval_refuses_a_missing_data_file_before_loading_the_model(workspace, ca
                     "--out", workspace / "never.json")
     one_line_error(code, err, "data file not found")
     assert not (workspace / "never.json").exists()
+
+
+def test_train_takes_its_defaults_from_the_recipe_of_the_folders_kind(tmp_path):
+    """`train` without flags trains as `run` does: the tail recipe for window+mamba2."""
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "recurformer", "mixer": {"kind": "window+mamba2"}}))
+    lm = recipe_train_config(str(folder), {"stage": "lm", "steps": 3})
+    expected = RECIPES["tail-mamba2"].lm
+    assert (lm.trainable, lm.lr, lm.seq_len, lm.batch_size, lm.ce_weight, lm.distill_weight) == (
+        expected.trainable, expected.lr, expected.seq_len, expected.batch_size, expected.ce_weight,
+        expected.distill_weight)
+    given = recipe_train_config(str(folder), {"steps": 3, "lr": 0.01, "batch_size": 2, "seq_len": 64})
+    assert (given.stage, given.trainable, given.lr, given.batch_size, given.grad_accum) == ("transfer", "tail", 0.01,
+                                                                                            2, 1)

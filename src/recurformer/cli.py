@@ -123,7 +123,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    summary = commands.train_command(args.dir, args.data, args.out, build(TrainConfig, args), teacher=args.teacher,
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    config = commands.recipe_train_config(args.dir, given)
+    summary = commands.train_command(args.dir, args.data, args.out, config, teacher=args.teacher,
                                      resume=args.resume, force=args.force, keep_checkpoint=args.keep_checkpoint)
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}))
     return 0
@@ -210,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="converted model directory (from 'convert' or an earlier 'train')")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training text (.txt or .jsonl)")
     p.add_argument("--out", required=True, help="directory for the trained model, checkpoints and logs")
-    add_options(p, TrainConfig)
+    add_options(p, TrainConfig, defaults={name: "the recipe of the model's mixer kind, as `run` trains it "
+                                          "(docs/training.md)" for name in commands.RECIPE_FIELDS})
     p.add_argument("--teacher", help="the original model (default: the one recorded at conversion)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--force", action="store_true", help="start over if --out exists")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .bench import BenchConfig, against_original
-from .checks import require_finite
+from .checks import read_json_object, require_finite
 from .config import MixerConfig, option, require
 from .data import check_length, load_documents, not_found, token_sequences
 from .evaluate import lookup_task, make_options
@@ -22,6 +22,8 @@ from .hub import model_path
 from .loading import check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
 from .modeling import check_architecture
 from .outputs import check_output, check_replaceable, claim_folder, size_of
+from .mixers import MIXERS
+from .recipe import RECIPES, STAGES, micro_batches
 from .report import plot_bench
 from .ablation import AblationConfig
 from .run import analyze_heads, convert_heads
@@ -78,6 +80,29 @@ def convert_command(model: str, scores: str, out: str, selection: SelectionConfi
     check_architecture(net.config)
     return convert_heads(net, tokenizer, head_scores, selection, mixer or MixerConfig(), init, str(model), out_dir,
                          command="convert")[1]
+
+
+RECIPE_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "trainable", "distill_weight", "ce_weight")  # train's flags a recipe sets
+
+
+def recipe_train_config(directory: str, given: dict) -> TrainConfig:
+    """[ours] `train`'s configuration: the flags `given`, and for the others the recipe `run` trains
+    the folder's mixer kind with (`recipe.py`: what trains, the loss, sequence length, batch,
+    learning rate of the stage), so that `train` trains as `run` does."""
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise not_found(str(config_file))
+    kind = read_json_object(config_file, "config").get("mixer", {}).get("kind")
+    stage = given.get("stage") or TrainConfig.stage
+    name = MIXERS[kind].recipe if kind in MIXERS else None
+    recipe = {}
+    if name is not None and stage in STAGES:  # otherwise TrainConfig, load_converted or training say what is wrong
+        planned = RECIPES[name].stage(stage).train_config(stage, steps=1, seed=0)
+        recipe = {field: getattr(planned, field) for field in RECIPE_FIELDS}
+    merged = {**recipe, **given}
+    if recipe and "grad_accum" not in given:  # the recipe's micro-batches, for the batch and length in force
+        merged["grad_accum"] = micro_batches(merged["batch_size"], merged["seq_len"])
+    return TrainConfig(**merged)
 
 
 def train_command(directory: str, data: list[str], out: str, config: TrainConfig, teacher: str | None = None,

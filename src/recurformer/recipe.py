@@ -38,6 +38,11 @@ MICRO_BATCH_TOKENS = 1024
 CHECKPOINT_EVERY = 5
 
 
+def micro_batches(batch_size: int, seq_len: int) -> int:
+    """Micro-batches per step: about `MICRO_BATCH_TOKENS` tokens each, dividing the batch."""
+    return math.gcd(batch_size, max(1, batch_size * seq_len // MICRO_BATCH_TOKENS))
+
+
 @dataclass(frozen=True)
 class StageRecipe:
     """One stage of a recipe: what trains (`TrainConfig.trainable`), on what loss, on batches
@@ -52,8 +57,7 @@ class StageRecipe:
 
     def train_config(self, stage: str, steps: int, seed: int, lr: float | None = None) -> TrainConfig:
         """The `TrainConfig` of `steps` optimizer steps of this stage (`lr`: instead of the recipe's)."""
-        tokens = self.batch_size * self.seq_len
-        grad_accum = math.gcd(self.batch_size, max(1, tokens // MICRO_BATCH_TOKENS))
+        grad_accum = micro_batches(self.batch_size, self.seq_len)
         extra = dict(distill_weight=self.distill_weight, ce_weight=self.ce_weight) if stage == "lm" else {}
         return TrainConfig(stage=stage, steps=steps, seq_len=self.seq_len, batch_size=self.batch_size,
                            grad_accum=grad_accum, lr=self.lr if lr is None else lr, trainable=self.trainable,
