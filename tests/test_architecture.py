@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "errors": 0, "config": 0, "files": 0, "data": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
     "ops": 1,
     "mixers": 2,
-    "attention": 3, "cache": 3,
+    "attention": 3, "attention_hook": 3, "cache": 3,
     "modeling": 4, "surgery": 4,
     "loading": 5, "model_card": 5, "metrics": 5, "ablation": 5, "retrieval_probe": 5, "equal_cache": 5, "scoring": 5,
     "train": 5,
@@ -110,6 +110,22 @@ def test_imports_sit_at_module_top_except_optional_dependencies():
                     if not roots <= OPTIONAL:
                         wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not wrong, "imports inside functions (move them to the module top):\n" + "\n".join(wrong)
+
+
+def test_only_attention_hook_registers_attention_functions():
+    """Running a model's attention through a function of ours is `attention_hook`'s job alone:
+    no other module registers a function with transformers' attention registry."""
+    wrong = []
+    for path in modules():
+        if path.name == "attention_hook.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            registers = (isinstance(node, ast.Name) and node.id == "AttentionInterface") or (
+                isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del))
+                and ast.unparse(node.value) == "ALL_ATTENTION_FUNCTIONS")
+            if registers:
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "use attention_hook.attention_hook instead:\n" + "\n".join(wrong)
 
 
 def declared_packages() -> set[str]:

@@ -10,12 +10,12 @@ from recurformer.scoring import (
     HeadScores,
     SelectionConfig,
     RecencyStatistics,
-    _stats_attention,
     analyze,
     groups_to_replace,
     make_scorer,
     select_heads,
     select_layers,
+    stats_attention,
 )
 
 
@@ -60,13 +60,7 @@ def test_an_attention_that_only_reads_the_previous_token_scores_one():
     query[..., 0, :] = key[..., 0, :]
     stats = RecencyStatistics(1, 1, (1, 2, 16))
     module = SimpleNamespace(num_key_value_groups=1, layer_idx=0)
-    import recurformer.scoring as scoring
-
-    scoring._active = stats
-    try:
-        _stats_attention(module, query, key, torch.randn(1, 1, length, length), None, scaling=1.0)
-    finally:
-        scoring._active = None
+    stats_attention(stats, module, query, key, torch.randn(1, 1, length, length), None, scaling=1.0)
     means = stats.means()
     assert means["rr_2"][0][0] == pytest.approx(1.0, abs=1e-6)
     assert means["rr_16"][0][0] == pytest.approx(1.0, abs=1e-6)

@@ -11,8 +11,8 @@ i >= 1): a head that parks its mass on the first token is not local, and a high 
 would otherwise hide that. All queries count, including the first `w` (for which the
 window covers the whole prefix), exactly as in the formula above.
 
-Statistics are accumulated while the model runs, one layer's attention at a time: a
-registered attention function computes the softmax probabilities of the layer, adds
+Statistics are accumulated while the model runs, one layer's attention at a time: an
+attention function (`attention_hook`) computes the softmax probabilities of the layer, adds
 their band sums to running totals, and returns the same output eager attention would.
 KV-group scores are the mean over the group's query heads.
 """
@@ -23,16 +23,17 @@ import math
 import random
 import statistics
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .ablation import Ablation, AblationConfig, calibration_sequences, measure_ablation
+from .attention_hook import attention_hook
 from .checks import DamagedFileError, read_json
 from .config import ConfigError, ReplacementSpec, groups_to_replace, option, require
 from .data import check_length, token_sequences
@@ -41,7 +42,6 @@ from .retrieval_probe import probe_sequences
 from .surgery import model_fingerprint
 
 DEFAULT_WINDOWS = (4, 16, 64)
-STATS_ATTENTION = "recurformer_head_stats"
 
 
 @dataclass
@@ -247,11 +247,9 @@ class RecencyStatistics:
         return {name: (total / counts).tolist() for name, total in self.sums.items()}
 
 
-_active: RecencyStatistics | None = None
-
-
-def _stats_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager causal attention that also feeds the active `RecencyStatistics`.
+def stats_attention(stats: RecencyStatistics, module, query, key, value, attention_mask, scaling, dropout=0.0,
+                    **kwargs):
+    """Eager causal attention that also feeds `stats` (bound with `functools.partial`).
 
     query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
     Sequences are packed text without padding, so the mask is plain causal.
@@ -262,13 +260,10 @@ def _stats_attention(module, query, key, value, attention_mask, scaling, dropout
     length = scores.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
     probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-    if _active is not None:
-        _active.add(module.layer_idx, probs)
+    stats.add(module.layer_idx, probs)
     output = torch.matmul(probs.to(value.dtype), value)
     return output.transpose(1, 2).contiguous(), None
 
-
-AttentionInterface.register(STATS_ATTENTION, _stats_attention)
 
 
 @torch.no_grad()
@@ -283,21 +278,14 @@ def analyze(
     progress: bool = True,
 ) -> HeadScores:
     """Run `model` over `sequences` `[N, T]` and return its per-head statistics."""
-    global _active
     if window < 1:
         raise ConfigError(f"window must be >= 1, got {window}")
     config = model.config
     stats = RecencyStatistics(config.num_hidden_layers, config.num_attention_heads, tuple(windows) + (window,))
-    previous = config._attn_implementation
-    config._attn_implementation = STATS_ATTENTION
-    _active = stats
-    try:
-        model.eval()
+    model.eval()
+    with attention_hook(model, partial(stats_attention, stats)):
         for start in tqdm(range(0, len(sequences), batch_size), desc="analyze", unit="batch", disable=not progress):
             model(sequences[start:start + batch_size], use_cache=False)
-    finally:
-        _active = None
-        config._attn_implementation = previous
     return HeadScores(
         model=model_name, num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, window=window, windows=sorted(set(windows) | {window}),
