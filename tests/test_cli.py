@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import recurformer  # noqa: F401
 from recurformer.cli import main
-from recurformer.config import kinds_reading
+from recurformer.mixers import kinds_reading
 
 TEXT = " = Doc = \n" + " ".join(["the quick brown fox jumps over the lazy dog ."] * 400) + "\n"
 

@@ -11,8 +11,8 @@ from hub_cache import cache_folder
 from tiny_models import save_tiny_model, spec_for
 
 from recurformer.commands import train_command
-from recurformer.config import MixerConfig
 from recurformer.loading import load_model, portable_name, save_model
+from recurformer.mixers import MixerConfig
 from recurformer.model_card import CARD, folder_facts, front_matter, render_model_card, source_facts
 from recurformer.run.stages import metric_table
 from recurformer.surgery import convert

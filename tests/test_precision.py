@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import recurformer  # noqa: F401  (registers the Auto classes)
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
-from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
+from recurformer.config import ConfigError, ReplacementSpec
 from recurformer.data import EVAL_CORPORA, shared_corpora
-from recurformer.mixers import build_mixer, state_dtype
+from recurformer.mixers import MixerConfig, build_mixer, state_dtype
 from recurformer.ops.conv import causal_conv1d, causal_conv1d_step
 from recurformer.ops.selective_scan import selective_scan
 from recurformer.ops.ssd import ssd

@@ -49,9 +49,10 @@ from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .attention_hook import attention_hook
-from .config import ConfigError, MixerConfig, groups_to_replace, option, require
+from .config import ConfigError, groups_to_replace, option, require
 from .data import DataError, check_length, count_tokens, token_sequences
 from .files import write_json_atomic
+from .mixers import MixerConfig
 from .ops.window import window_attention
 from .surgery import model_fingerprint
 

@@ -18,13 +18,13 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from . import commands
+from .ablation import AblationConfig
 from .bench import BenchConfig
-from .config import MixerConfig
 from .errors import RecurformerError
 from .evaluate import TASKS
 from .hub import with_revision
+from .mixers import MixerConfig
 from .run import RunConfig, run_pipeline
-from .ablation import AblationConfig
 from .scoring import AnalysisConfig, SelectionConfig
 from .surgery import INITS
 from .train import TrainConfig

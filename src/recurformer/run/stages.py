@@ -38,7 +38,7 @@ from ..ablation import AblationConfig
 from ..attention import check_window_fits
 from ..bench import against_original
 from ..checks import check_model_folder, require_finite
-from ..config import MixerConfig, check_replaces_some
+from ..config import check_replaces_some
 from ..data import Corpus, DataError, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
 from ..evaluate import TASKS, RunSettings, Task
@@ -46,8 +46,9 @@ from ..files import write_json_atomic, write_text_atomic
 from ..hub import model_path, resolve_model
 from ..loading import load_converted, load_model, model_bytes, portable_name, save_model
 from ..memory import release_freed_memory
-from ..model_card import write_model_card
 from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect, run_metric_table
+from ..mixers import MixerConfig
+from ..model_card import write_model_card
 from ..modeling import check_architecture
 from ..outputs import Claim
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
