@@ -147,7 +147,7 @@ def select(scores: HeadScores, variant: Variant, seed: int) -> ReplacementSpec:
     if variant.selector == "none":
         return ReplacementSpec.empty(scores.num_layers, scores.num_kv_heads)
     if variant.selector == "layer":
-        return select_layers(scores, variant.beta)
+        return select_layers(scores, variant.beta, make_scorer("recency"))
     scorer = make_scorer("recency" if variant.selector == "all" else variant.selector, seed)
     return select_heads(scores, variant.beta, scorer)
 

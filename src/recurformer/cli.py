@@ -25,7 +25,7 @@ from .evaluate import TASKS
 from .hub import with_revision
 from .mixers import MixerConfig
 from .run import RunConfig, run_pipeline
-from .scoring import AnalysisConfig, SelectionConfig
+from .scoring import SCORERS, AnalysisConfig, SelectionConfig
 from .surgery import INITS
 from .train import TrainConfig
 
@@ -259,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"recurformer: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resumable = args.command == "run" or (args.command == "analyze" and (args.scorer or SelectionConfig.scorer).startswith("ablation"))
+        scorer = SCORERS.get(getattr(args, "scorer", None) or SelectionConfig.scorer)
+        resumable = args.command == "run" or (args.command == "analyze" and scorer is not None and scorer.needs.ablation)
         hint = "; run the same command again to continue" if resumable else ""
         print(f"recurformer: interrupted{hint}", file=sys.stderr)
         return 130
