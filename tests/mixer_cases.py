@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from recurformer.config import MIXER_KINDS, MixerConfig
-from recurformer.mixers import HeadShape, build_mixer
+from recurformer.mixers import MIXER_KINDS, HeadShape, MixerConfig, build_mixer
 
 D_IN = 24
 HEADS = HeadShape(num_q_heads=4, num_kv_heads=2, head_dim=8)

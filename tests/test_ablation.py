@@ -14,8 +14,9 @@ from recurformer.ablation import (
     calibration_sequences,
     measure_ablation,
 )
-from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
+from recurformer.config import ConfigError, ReplacementSpec
 from recurformer.data import DataError
+from recurformer.mixers import MixerConfig
 from recurformer.scoring import HeadScores, analyze, make_scorer, record_ablation, select_heads
 from recurformer.surgery import convert
 

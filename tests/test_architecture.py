@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from recurformer.data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "recurformer"
 
@@ -23,7 +25,7 @@ LAYERS: dict[str, int] = {
     "errors": 0, "config": 0, "files": 0, "data": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
     "ops": 1,
     "mixers": 2,
-    "attention": 3, "cache": 3,
+    "attention": 3, "attention_hook": 3, "cache": 3,
     "modeling": 4, "surgery": 4,
     "loading": 5, "model_card": 5, "metrics": 5, "ablation": 5, "retrieval_probe": 5, "equal_cache": 5, "scoring": 5,
     "train": 5,
@@ -40,6 +42,11 @@ OPTIONAL = {"peft", "lm_eval", "mamba_ssm", "causal_conv1d"}
 
 def modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
+
+
+def benchmark_scripts() -> list[Path]:
+    """Every script under benchmarks/, in its room or not."""
+    return sorted((ROOT / "benchmarks").rglob("*.py"))
 
 
 def unit(path: Path) -> str:
@@ -86,7 +93,7 @@ def test_imports_never_go_up_a_layer():
 
 def test_no_private_name_is_imported_from_another_module():
     wrong = []
-    for path in [*modules(), *sorted((ROOT / "benchmarks").glob("*.py"))]:
+    for path in [*modules(), *benchmark_scripts()]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level + (node.module or "").startswith("recurformer") > 0:
                 private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
@@ -110,6 +117,22 @@ def test_imports_sit_at_module_top_except_optional_dependencies():
                     if not roots <= OPTIONAL:
                         wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not wrong, "imports inside functions (move them to the module top):\n" + "\n".join(wrong)
+
+
+def test_only_attention_hook_registers_attention_functions():
+    """Running a model's attention through a function of ours is `attention_hook`'s job alone:
+    no other module registers a function with transformers' attention registry."""
+    wrong = []
+    for path in modules():
+        if path.name == "attention_hook.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            registers = (isinstance(node, ast.Name) and node.id == "AttentionInterface") or (
+                isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del))
+                and ast.unparse(node.value) == "ALL_ATTENTION_FUNCTIONS")
+            if registers:
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "use attention_hook.attention_hook instead:\n" + "\n".join(wrong)
 
 
 def declared_packages() -> set[str]:
@@ -167,10 +190,21 @@ def test_every_benchmark_script_is_listed_in_its_room():
 def test_benchmark_scripts_find_paths_and_corpora_through_the_shared_helper():
     """Only benchmarks/common.py (and kvpress's script, which runs without recurformer) locates
     the repository; no script spells a corpus file the library names."""
-    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+    for path in benchmark_scripts():
         if path.name in ("common.py", "kvpress_eval.py"):
             continue
         source = path.read_text()
         assert "Path(__file__)" not in source, f"{path.relative_to(ROOT)} locates the repository itself"
         for corpus in ("wikitext-2-valid.txt", "wikitext-2-raw-test.txt", "lee-background-news.txt"):
             assert corpus not in source, f"{path.relative_to(ROOT)} spells {corpus}; use benchmarks.common"
+
+
+def test_tests_find_the_corpora_as_the_package_does():
+    """A test that reads a shared corpus finds it through `recurformer.data` (`$RECURFORMER_DATA`,
+    else ../shared/data), never by a path or a file name of its own."""
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == Path(__file__).name:
+            continue
+        source = path.read_text()
+        for spelled in ("shared/data", '"shared" / "data"', *TRAIN_CORPORA, *EVAL_CORPORA, *OUT_OF_DOMAIN_CORPORA):
+            assert spelled not in source, f"{path.relative_to(ROOT)} spells {spelled}; use recurformer.data.shared_corpora"

@@ -8,9 +8,10 @@ from recurformer import attention
 from recurformer.bench import (BenchConfig, against_original, cache_bytes, compare, max_context, measure, median_measurements,
                                new_cache, padded_prompts)
 from recurformer.cache import CACHE_ARGUMENT
-from recurformer.config import ConfigError, MixerConfig
-from recurformer.memory import PeakMemory
 from recurformer.cli import main
+from recurformer.config import ConfigError
+from recurformer.memory import PeakMemory
+from recurformer.mixers import MixerConfig
 from recurformer.ops.attention_step import AttentionStepKernel
 from recurformer.surgery import convert
 

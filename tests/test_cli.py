@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import recurformer  # noqa: F401
 from recurformer.cli import main
 from recurformer.commands import recipe_train_config
-from recurformer.config import kinds_reading
+from recurformer.mixers import kinds_reading
 from recurformer.recipe import RECIPES
 
 TEXT = " = Doc = \n" + " ".join(["the quick brown fox jumps over the lazy dog ."] * 400) + "\n"

@@ -39,7 +39,9 @@ def test_analyze_and_convert_select_with_the_librarys_scorer():
     for command in (("analyze", "model", "--data", "d.txt", "--out", "s.json"),
                     ("convert", "model", "--scores", "s.json", "--out", "o")):
         assert build(SelectionConfig, parsed(*command)).scorer == SelectionConfig.scorer == "ablation"
-    scores = HeadScores.load("docs/results/example-run/scores.json")  # made by `run`: it has ablation costs
+    # 2 layers x 2 KV groups of 2 heads: recency would replace (0, 0) and (1, 1), ablation costs (0, 1) and (1, 0)
+    scores = HeadScores("toy", 2, 4, 2, 16, [16], 1, 32, heads={"rr_16": [[0.9, 0.9, 0.1, 0.1], [0.2, 0.2, 0.8, 0.8]]},
+                        groups={"ablation": [[0.5, 0.01], [0.02, 0.3]]})
     assert select_heads(scores, 0.5).source["scorer"] == SelectionConfig.scorer
     assert select_heads(scores, 0.5).groups == SelectionConfig(beta=0.5).select(scores).groups
     assert select_heads(scores, 0.5, make_scorer("recency")).groups != select_heads(scores, 0.5).groups

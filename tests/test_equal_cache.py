@@ -4,8 +4,9 @@ import pytest
 import torch
 from tiny_models import spec_for, tiny_model
 
-from recurformer.config import MixerConfig, ReplacementSpec
+from recurformer.config import ReplacementSpec
 from recurformer.equal_cache import equal_cache_window, mixer_state_bytes, window_baseline
+from recurformer.mixers import MixerConfig
 from recurformer.surgery import convert
 
 

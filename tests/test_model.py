@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMH
 import recurformer  # noqa: F401  (registers the Auto classes)
 from recurformer.attention import packed_decode_attention
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
-from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
+from recurformer.config import ConfigError, ReplacementSpec
+from recurformer.mixers import MixerConfig
 from recurformer.modeling import UnsupportedArchitectureError
 from recurformer.surgery import convert, parameter_report
 

@@ -4,7 +4,6 @@ for a tiny conversion from a hub id, the training it names, and a run's measured
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -12,15 +11,23 @@ from hub_cache import cache_folder
 from tiny_models import save_tiny_model, spec_for
 
 from recurformer.commands import train_command
-from recurformer.config import MixerConfig
 from recurformer.loading import load_model, portable_name, save_model
+from recurformer.mixers import MixerConfig
 from recurformer.model_card import CARD, folder_facts, front_matter, render_model_card, source_facts
+from recurformer.run.stages import metric_table
 from recurformer.surgery import convert
 from recurformer.train import TrainConfig
 
 REPO = "tiny-org/tiny-llama"
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_METRICS = ROOT / "docs" / "results" / "example-run" / "metrics.json"  # a real run's metrics.json
+# The numbers the card shows, as a run's metrics.json holds them (made up here).
+RESULTS = {
+    "quick": False, "baseline_window": 1169, "bench_context": 4096,
+    "ppl_original": 19.2349, "ppl_final": 19.6993, "ppl_ratio": 1.02415, "ppl_baseline": 19.9123,
+    "ppl_baseline_ratio": 1.03522, "ppl_ood_original": 27.1491, "ppl_ood_final": 27.3906, "ppl_ood_ratio": 1.00890,
+    "ppl_ood_baseline": 27.4961, "ppl_ood_baseline_ratio": 1.01278, "cache_bytes_original": 188743680,
+    "cache_bytes_final": 98386760, "cache_ratio": 0.52127, "decode_tokens_per_s_original": 21.1615,
+    "decode_tokens_per_s_final": 27.6061, "decode_speedup": 1.30454,
+}
 
 
 @pytest.fixture
@@ -86,8 +93,13 @@ def test_a_trained_folder_card_names_its_training(converted, tmp_path):
     assert yaml.safe_load("\n".join(metadata_block(lm_card)))["base_model"] == REPO  # the teacher's hub id carried on
 
 
+def test_the_card_reads_metrics_a_run_records():
+    metrics, _ = metric_table()
+    assert set(RESULTS) <= {metric.key for metric in metrics}
+
+
 def test_a_run_card_shows_the_measured_numbers(converted):
-    results = json.loads(EXAMPLE_METRICS.read_text())
+    results = RESULTS
     card = render_model_card({**folder_facts(converted["dir"]), "results": results})
     r = results
     assert f"window at equal cache ({r['baseline_window']:,} tokens)" in card

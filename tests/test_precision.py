@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import recurformer  # noqa: F401  (registers the Auto classes)
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
-from recurformer.config import ConfigError, MixerConfig, ReplacementSpec
-from recurformer.mixers import build_mixer, state_dtype
+from recurformer.config import ConfigError, ReplacementSpec
+from recurformer.data import EVAL_CORPORA, shared_corpora
+from recurformer.mixers import MixerConfig, build_mixer, state_dtype
 from recurformer.ops.conv import causal_conv1d, causal_conv1d_step
 from recurformer.ops.selective_scan import selective_scan
 from recurformer.ops.ssd import ssd
@@ -334,7 +335,7 @@ def test_smollm2_in_bf16_keeps_its_logits_and_its_kept_heads():
     root = Path(__file__).resolve().parents[1]
     directory = resolve_model("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    text = (root.parent / "shared" / "data" / "wikitext-2-raw-test.txt").read_text()[:30000]
+    text = Path(shared_corpora(EVAL_CORPORA)[0]).read_text()[:30000]
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :2048]
     assert ids.shape[1] == 2048
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()

@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import recurformer  # noqa: F401
 from recurformer.cli import main
+from recurformer.data import TRAIN_CORPORA, shared_corpora
 
 pytestmark = pytest.mark.real_model
 
-DATA = "../shared/data/wikitext-2-valid.txt"
+DATA = shared_corpora(TRAIN_CORPORA)[0]  # found as `recurformer run` finds it
 
 
 def test_analyze_convert_generate(tmp_path):

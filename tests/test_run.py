@@ -12,14 +12,14 @@ from tiny_models import save_tiny_model, spec_for, tiny_model
 
 from recurformer import retrieval_probe
 from recurformer.cli import main
-from recurformer.config import ConfigError, MixerConfig
+from recurformer.config import ConfigError
 from recurformer.data import DataError
 from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
-from recurformer.mixers import resolve_for_model
+from recurformer.mixers import MixerConfig, resolve_for_model
 from recurformer.recipe import recipe_for
-from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
 from recurformer.report import render_run_report
+from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, seconds_per_step
 

@@ -9,16 +9,15 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from recurformer.data import corpora_folder
 from recurformer.run import RUN_SCHEMA
 
 pytestmark = [pytest.mark.real_model, pytest.mark.smoke]
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+DATA = corpora_folder().resolve()  # where `recurformer run` would look from here
 STAGES = ["resolve", "analyze", "convert", "plan", "transfer", "lm", "evaluate", "bench", "report"]
 PNG = b"\x89PNG\r\n\x1a\n"
 

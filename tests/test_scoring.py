@@ -3,19 +3,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 
-from recurformer.config import ConfigError
+from recurformer import retrieval_probe
+from recurformer.ablation import AblationConfig
+from recurformer.config import ConfigError, groups_to_replace
+from recurformer.run.stages import analyze_heads
 from recurformer.scoring import (
+    SCORERS,
+    AnalysisConfig,
     HeadScores,
     SelectionConfig,
     RecencyStatistics,
-    _stats_attention,
     analyze,
-    groups_to_replace,
     make_scorer,
     select_heads,
     select_layers,
+    stats_attention,
 )
 
 
@@ -60,13 +64,7 @@ def test_an_attention_that_only_reads_the_previous_token_scores_one():
     query[..., 0, :] = key[..., 0, :]
     stats = RecencyStatistics(1, 1, (1, 2, 16))
     module = SimpleNamespace(num_key_value_groups=1, layer_idx=0)
-    import recurformer.scoring as scoring
-
-    scoring._active = stats
-    try:
-        _stats_attention(module, query, key, torch.randn(1, 1, length, length), None, scaling=1.0)
-    finally:
-        scoring._active = None
+    stats_attention(stats, module, query, key, torch.randn(1, 1, length, length), None, scaling=1.0)
     means = stats.means()
     assert means["rr_2"][0][0] == pytest.approx(1.0, abs=1e-6)
     assert means["rr_16"][0][0] == pytest.approx(1.0, abs=1e-6)
@@ -102,11 +100,12 @@ def test_the_default_selection_is_the_commands_ablation_scorer():
 def test_layer_selection_takes_whole_layers_by_mean_group_score():
     scores = make_scores([[0.9, 0.7, 0.1, 0.2], [0.5, 0.5, 0.95, 0.85], [0.3, 0.3, 0.6, 0.8]])
     # layer means: 0 -> 0.475, 1 -> 0.7, 2 -> 0.5
-    assert select_layers(scores, 0.34).groups == [(1, 0), (1, 1)]
-    spec = select_layers(scores, 0.5)  # 1.5 layers round to 2: the fraction is 2/3, not 1/2
+    recency = make_scorer("recency")
+    assert select_layers(scores, 0.34, recency).groups == [(1, 0), (1, 1)]
+    spec = select_layers(scores, 0.5, recency)  # 1.5 layers round to 2: the fraction is 2/3, not 1/2
     assert spec.groups == [(1, 0), (1, 1), (2, 0), (2, 1)] and spec.fraction == pytest.approx(2 / 3)
     assert select_layers(scores, 0.5, make_scorer("inverse")).groups == [(0, 0), (0, 1), (2, 0), (2, 1)]
-    assert select_layers(scores, 0.0).groups == [] and select_layers(scores, 1.0).fraction == 1.0
+    assert select_layers(scores, 0.0, recency).groups == [] and select_layers(scores, 1.0, recency).fraction == 1.0
 
 
 @pytest.mark.parametrize("beta, expected", [(0.5, 45), (0.75, 68), (0.25, 23), (0.01, 1), (0.0, 0), (1.0, 90)])
@@ -159,3 +158,28 @@ def test_sink_excluded_ratio_is_exact_when_the_sink_takes_almost_everything():
     got = stats.means()["rr_16_no_sink"][0][0]
     assert 0.0 <= got <= 1.0
     assert got == pytest.approx(expected.item(), abs=1e-4)
+
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A recurrent state has a fixed size; a KV cache grows with "
+        "every token. Attention heads that only look at the last few tokens can be replaced. ") * 40
+CALIBRATION = AblationConfig(ablation_sequences=2, ablation_seq_len=400, ablation_from=40, ablation_window=16,
+                             ablation_sinks=2, ablation_rounds=2)
+
+
+@pytest.mark.parametrize("name", sorted(SCORERS))
+def test_each_scorer_ranks_the_scores_analyzed_for_what_it_needs(name, tmp_path, monkeypatch):
+    """`analyze_heads` (the `analyze` command's and `run`'s) measures what the scorer says it
+    needs, and that is enough to rank; the head statistics alone are not, for a scorer that
+    needs an ablation."""
+    monkeypatch.setattr(retrieval_probe, "NEEDLES", 2)  # two needles fit the tiny model's positions
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+
+    def scores_for(scorer: str) -> HeadScores:
+        return analyze_heads(model, tokenizer, [TEXT], AnalysisConfig(sequences=1, seq_len=64),
+                             SelectionConfig(scorer=scorer), CALIBRATION, "tiny", [], tmp_path / f"{scorer}.json",
+                             tmp_path / "partial.json")
+
+    assert len(select_heads(scores_for(name), 0.5, make_scorer(name)).groups) == 2
+    if SCORERS[name].needs.ablation:
+        with pytest.raises(ConfigError, match="these scores have no"):
+            select_heads(scores_for("recency"), 0.5, make_scorer(name))

@@ -4,8 +4,8 @@ cache budget per KV group, with its own tail; the rule's formula; SmolLM2's meas
 import pytest
 from tiny_models import ARCHITECTURES, tiny_model
 
-from recurformer.config import ConfigError, MixerConfig
-from recurformer.mixers import HeadShape, resolve_for_model, resolve_shape
+from recurformer.config import ConfigError
+from recurformer.mixers import HeadShape, MixerConfig, resolve_for_model, resolve_shape
 from recurformer.mixers.shape import budget_bytes, state_bytes
 
 WINDOW_KINDS = ("window", "window+mamba", "window+mamba2", "window+linear")

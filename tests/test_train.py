@@ -11,7 +11,8 @@ import pytest
 import torch
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model
 
-from recurformer.config import ConfigError, MixerConfig
+from recurformer.config import ConfigError
+from recurformer.mixers import MixerConfig
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TrainingDiverged, TransferObjective, train
 

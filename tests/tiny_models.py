@@ -15,7 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from recurformer.config import MIXER_KINDS, MixerConfig, ReplacementSpec
+from recurformer.config import ReplacementSpec
+from recurformer.mixers import MIXER_KINDS, MixerConfig
 
 COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
 

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 
 from recurformer.ablation import AblationConfig, calibration_sequences, measure_ablation
-from recurformer.config import MixerConfig
 from recurformer.data import load_documents
 from recurformer.evaluate import TASKS
 from recurformer.evaluate.perplexity import PerplexityOptions
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.loading import load_model
+from recurformer.mixers import MixerConfig
 from recurformer.scoring import HeadScores, SelectionConfig, record_ablation
 from recurformer.surgery import convert
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-from recurformer.config import MIXER_KINDS, ConfigError, require
+from recurformer.config import ConfigError, require
 from recurformer.files import write_json_atomic
+from recurformer.mixers import MIXER_KINDS
 from recurformer.tasks import hashhop_tokens, mqar_tokens, score_hashhop_tokens, score_mqar
 
 SELECTORS = ("recency", "random", "inverse", "layer")

@@ -42,8 +42,9 @@ from transformers.utils import logging as transformers_logging
 
 import recurformer  # noqa: F401  (registers the recurformer model type with the Auto classes)
 from recurformer.bench import cache_bytes
-from recurformer.config import MIXER_KINDS, ConfigError, MixerConfig, ReplacementSpec
+from recurformer.config import ConfigError, ReplacementSpec
 from recurformer.files import atomic_directory, write_json_atomic
+from recurformer.mixers import MIXER_KINDS, MixerConfig
 from recurformer.scoring import HeadScores, analyze, make_scorer, select_heads, select_layers
 from recurformer.surgery import convert
 from recurformer.tasks import align_predictions
@@ -146,7 +147,7 @@ def select(scores: HeadScores, variant: Variant, seed: int) -> ReplacementSpec:
     if variant.selector == "none":
         return ReplacementSpec.empty(scores.num_layers, scores.num_kv_heads)
     if variant.selector == "layer":
-        return select_layers(scores, variant.beta)
+        return select_layers(scores, variant.beta, make_scorer("recency"))
     scorer = make_scorer("recency" if variant.selector == "all" else variant.selector, seed)
     return select_heads(scores, variant.beta, scorer)
 

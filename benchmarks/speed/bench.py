@@ -30,7 +30,7 @@ from pathlib import Path
 
 from recurformer.bench import DTYPES, BenchConfig, median_measurements, parse_batches, parse_contexts
 from recurformer.commands import bench_command, convert_command
-from recurformer.config import MixerConfig
+from recurformer.mixers import MixerConfig
 from recurformer.scoring import SelectionConfig
 
 from benchmarks.common import RESULTS

@@ -38,9 +38,9 @@ import torch
 from recurformer.bench import generation_inputs, new_cache, padded_prompts
 from recurformer.cache import HybridCache
 from recurformer.commands import convert_command
-from recurformer.config import MixerConfig
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_converted, load_model
+from recurformer.mixers import MixerConfig
 from recurformer.report import save_figure
 from recurformer.scoring import SelectionConfig
 

@@ -5,10 +5,11 @@ classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads a converted model.
 """
 
 from .cache import HybridCache
-from .config import ConfigError, MixerConfig, ReplacementSpec
+from .config import ConfigError, ReplacementSpec
 from .errors import RecurformerError
 from .hub import resolve_model
-from .mixers import HeadShape, Mamba2Mixer, MambaMixer, Mixer, WindowMixer, WindowRecurrentMixer, build_mixer
+from .mixers import (HeadShape, Mamba2Mixer, MambaMixer, Mixer, MixerConfig, WindowMixer, WindowRecurrentMixer,
+                     build_mixer)
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM
 from .ops.selective_scan import selective_scan
 from .ops.ssd import ssd

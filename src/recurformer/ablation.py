@@ -27,8 +27,8 @@ cheapest of round r's marginal costs.
 The model is never converted. One pass (with `S_r` windowed) stores every layer's input
 hidden states; scoring a group of layer `l` reruns only layers `l..L-1` from there. The
 groups of one layer (and all sequences) go through together as batch rows: row `b` also
-windows group `groups[b // N]`, the attention function registered as `ABLATION_ATTENTION`
-windows just those query heads (with `ops.window`, the window mixer's own kernel). Each
+windows group `groups[b // N]`, the attention function `Windowing.attention` (run through
+`attention_hook`) windows just those query heads (with `ops.window`, the window mixer's own kernel). Each
 finished layer of a round can be written to a checkpoint file, so that an interrupted run
 resumes where it stopped.
 """
@@ -46,16 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .config import ConfigError, MixerConfig, groups_to_replace, option, require
+from .attention_hook import attention_hook
+from .config import ConfigError, groups_to_replace, option, require
 from .data import DataError, check_length, count_tokens, token_sequences
 from .files import write_json_atomic
+from .mixers import MixerConfig
 from .ops.window import window_attention
 from .surgery import model_fingerprint
 
-ABLATION_ATTENTION = "recurformer_group_ablation"
 Group = tuple[int, int]  # (layer, kv_head)
 
 
@@ -113,16 +113,19 @@ def calibration_sequences(tokenizer, documents: list[str], config: AblationConfi
     return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
 
 
-@dataclass(frozen=True)
-class _Windowing:
-    """Which groups the attention function windows: `fixed` `[layers, kv_heads]` bool in every
-    row, and in `layer`, row b's group `groups[b]` too."""
+@dataclass
+class Windowing:
+    """Which groups `attention` windows: `fixed` `[layers, kv_heads]` bool in every row, and
+    in `layer`, row b's group `groups[b]` too; `point` moves it between passes."""
 
     fixed: Tensor
-    layer: int
-    groups: Tensor | None  # [B]
     window: int
     sinks: int
+    layer: int = -1
+    groups: Tensor | None = None  # [B]
+
+    def point(self, fixed: Tensor, layer: int = -1, groups: Tensor | None = None) -> None:
+        self.fixed, self.layer, self.groups = fixed, layer, groups
 
     def rows(self, layer: int, batch: int) -> Tensor:
         """`[B, kv_heads]` bool: the groups windowed in each row of `layer`."""
@@ -131,32 +134,24 @@ class _Windowing:
             windowed[torch.arange(batch), self.groups] = True
         return windowed
 
+    def attention(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        """Causal attention, with the groups `rows` names cut to the window.
 
-_windowing: _Windowing | None = None  # set while `measure_ablation` runs
-
-
-def _ablation_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Causal attention, with the groups `_windowing` names cut to the window.
-
-    query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
-    Sequences are packed text without padding, so the mask is plain causal. The windowed
-    (row, group) pairs go through `ops.window` together, as a batch of single-group rows.
-    """
-    size = module.num_key_value_groups
-    out = F.scaled_dot_product_attention(query, repeat_kv(key, size), repeat_kv(value, size), is_causal=True,
-                                         scale=scaling)
-    if _windowing is not None:
-        windowed = _windowing.rows(module.layer_idx, query.shape[0]).to(query.device)  # [B, Hkv]
+        query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
+        Sequences are packed text without padding, so the mask is plain causal. The windowed
+        (row, group) pairs go through `ops.window` together, as a batch of single-group rows.
+        """
+        size = module.num_key_value_groups
+        out = F.scaled_dot_product_attention(query, repeat_kv(key, size), repeat_kv(value, size), is_causal=True,
+                                             scale=scaling)
+        windowed = self.rows(module.layer_idx, query.shape[0]).to(query.device)  # [B, Hkv]
         rows, groups = windowed.nonzero(as_tuple=True)
         if len(rows):
             q = query.unflatten(1, (-1, size))[rows, groups].transpose(1, 2)  # [n, T, size, D]
             k, v = key[rows, groups][:, :, None], value[rows, groups][:, :, None]  # [n, T, 1, D]
-            cut = window_attention(q, k, v, _windowing.window, _windowing.sinks, scaling)
+            cut = window_attention(q, k, v, self.window, self.sinks, scaling)
             out = out.unflatten(1, (-1, size)).index_put((rows, groups), cut.transpose(1, 2)).flatten(1, 2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ABLATION_ATTENTION, _ablation_attention)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def _check_window(config, seq_len: int) -> None:
@@ -214,20 +209,18 @@ def _load_checkpoint(path: Path | None, key: dict) -> dict[int, dict[Group, floa
     return done
 
 
-def _score_round(model, tokens: Tensor, counted: Tensor, config: AblationConfig, fixed: Tensor, todo: list[Group],
+def _score_round(model, tokens: Tensor, counted: Tensor, windowing: Windowing, fixed: Tensor, todo: list[Group],
                  costs: dict[Group, float], per_batch: int, saved: Callable[[], None], desc: str,
                  progress: bool) -> float:
     """Score each group of `todo` not yet in `costs` with the `fixed` `[layers, kv_heads]` groups
-    windowed; fills `costs` (NLL increase over that base), calls `saved()` after each layer
-    that scored any. Returns the base NLL."""
-    global _windowing
+    windowed (`windowing`, the hooked attention's); fills `costs` (NLL increase over that
+    base), calls `saved()` after each layer that scored any. Returns the base NLL."""
     count, length = tokens.shape
     layers = model.config.num_hidden_layers
-    window, sinks = config.ablation_window, config.ablation_sinks
     positions = torch.arange(length)[None]
     hidden = model.model.embed_tokens(tokens)
     position_embeddings = model.model.rotary_emb(hidden, positions)
-    _windowing = _Windowing(fixed, -1, None, window, sinks)
+    windowing.point(fixed)
     inputs = []  # inputs[l]: layer l's input [N, T, d]
     for layer in range(layers):
         inputs.append(hidden)
@@ -238,7 +231,7 @@ def _score_round(model, tokens: Tensor, counted: Tensor, config: AblationConfig,
         for first in range(0, len(left), per_batch):
             chosen = left[first:first + per_batch]
             rows = torch.tensor(chosen).repeat_interleave(count)  # row r windows chosen[r // N]
-            _windowing = _Windowing(fixed, layer, rows, window, sinks)
+            windowing.point(fixed, layer, rows)
             out = _run_layers(model, inputs[layer].repeat(len(chosen), 1, 1), layer, layers,
                               tuple(p.expand(len(rows), *p.shape[1:]) for p in position_embeddings), positions)
             nll = _token_nll(model, out, tokens.repeat(len(chosen), 1), counted.repeat(len(chosen), 1)).view(len(chosen), count)
@@ -267,7 +260,6 @@ def measure_ablation(
     (default: all of the layer's groups). With `checkpoint`, each finished layer of a round
     is written there and a later call on the same model, tokens and settings skips it.
     """
-    global _windowing
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     everything = [(l, g) for l in range(layers) for g in range(kv_heads)]
     rounds = config.ablation_rounds
@@ -292,10 +284,9 @@ def measure_ablation(
     chosen: list[Group] = []  # S_r, in replacement order
     marginal: dict[Group, float] = {}
     base, seconds = [], []
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = ABLATION_ATTENTION
-    try:
-        model.eval()
+    windowing = Windowing(torch.zeros(layers, kv_heads, dtype=torch.bool), config.ablation_window, config.ablation_sinks)
+    model.eval()
+    with attention_hook(model, windowing.attention):
         for r in range(rounds):
             start = time.perf_counter()
             fixed = torch.zeros(layers, kv_heads, dtype=torch.bool)
@@ -304,16 +295,13 @@ def measure_ablation(
             todo = [g for g in everything if g not in marginal]
             costs = done.setdefault(r, {})
             desc = "ablation" if rounds == 1 else f"ablation round {r + 1}/{rounds}"
-            base.append(_score_round(model, tokens, counted, config, fixed, todo, costs, groups_per_batch or kv_heads, saved,
-                                     desc, progress))
+            base.append(_score_round(model, tokens, counted, windowing, fixed, todo, costs, groups_per_batch or kv_heads,
+                                     saved, desc, progress))
             seconds.append(time.perf_counter() - start)
             take = len(todo) if r == rounds - 1 else groups_to_replace(len(everything), (r + 1) / rounds) - len(chosen)
             for group in sorted(todo, key=lambda g: (costs[g], g))[:take]:
                 chosen.append(group)
                 marginal[group] = costs[group]
-    finally:
-        _windowing = None
-        model.config._attn_implementation = previous
     order = {g: i for i, g in enumerate(chosen)}
     return Ablation(costs=[[done[0][(l, g)] for g in range(kv_heads)] for l in range(layers)],
                     order=[[order[(l, g)] for g in range(kv_heads)] for l in range(layers)],

@@ -18,8 +18,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from .cache import HybridCache
-from .config import ConfigError, MixerConfig
-from .mixers import HeadShape, build_mixer, resolve_for_model
+from .config import ConfigError
+from .mixers import HeadShape, MixerConfig, build_mixer, resolve_for_model
 from .ops import kernels
 from .ops.attention_step import AttentionStepKernel, AttentionWeights
 from .ops.module_kernels import KernelsByModule, records_gradients

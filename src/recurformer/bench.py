@@ -38,8 +38,9 @@ from torch import Tensor
 from transformers import CompileConfig, DynamicCache, StaticCache
 
 from .cache import CACHE_ARGUMENT, HybridCache
-from .config import STATE_DTYPES, ConfigError, option, require
+from .config import ConfigError, option, require
 from .memory import PeakMemory
+from .mixers import STATE_DTYPES
 
 
 def _positive_integers(flag: str, text: str) -> tuple[int, ...]:

@@ -18,14 +18,14 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from . import commands
+from .ablation import AblationConfig
 from .bench import BenchConfig
-from .config import MixerConfig
 from .errors import RecurformerError
 from .evaluate import TASKS
 from .hub import with_revision
+from .mixers import MixerConfig
 from .run import RunConfig, run_pipeline
-from .ablation import AblationConfig
-from .scoring import AnalysisConfig, SelectionConfig
+from .scoring import SCORERS, AnalysisConfig, SelectionConfig
 from .surgery import INITS
 from .train import TrainConfig
 
@@ -262,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"recurformer: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        resumable = args.command == "run" or (args.command == "analyze" and (args.scorer or SelectionConfig.scorer).startswith("ablation"))
+        scorer = SCORERS.get(getattr(args, "scorer", None) or SelectionConfig.scorer)
+        resumable = args.command == "run" or (args.command == "analyze" and scorer is not None and scorer.needs.ablation)
         hint = "; run the same command again to continue" if resumable else ""
         print(f"recurformer: interrupted{hint}", file=sys.stderr)
         return 130

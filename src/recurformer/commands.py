@@ -12,20 +12,21 @@ from pathlib import Path
 
 import torch
 
+from .ablation import AblationConfig
 from .bench import BenchConfig, against_original
 from .checks import read_json_object, require_finite
-from .config import MixerConfig, option, require
+from .config import option, require
 from .data import check_length, load_documents, not_found, token_sequences
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
 from .loading import check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
+from .mixers import MixerConfig
 from .modeling import check_architecture
 from .outputs import check_output, check_replaceable, claim_folder, size_of
 from .mixers import MIXERS
 from .recipe import RECIPES, STAGES, micro_batches
 from .report import plot_bench
-from .ablation import AblationConfig
 from .run import analyze_heads, convert_heads
 from .scoring import AnalysisConfig, HeadScores, SelectionConfig
 from .surgery import INITS

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .cache import CACHE_ARGUMENT
-from .config import MixerConfig, ReplacementSpec
+from .config import ReplacementSpec
+from .mixers import MixerConfig
 from .surgery import convert
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import kinds_reading
+from .mixers import kinds_reading
 
 MIB = 2**20
 

@@ -20,9 +20,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .config import MixerConfig, ReplacementSpec, kinds_reading
+from .config import ReplacementSpec
 from .files import write_text_atomic
 from .hub import HubModel, KnownModel, ModelResolutionError, local_directory, locate
+from .mixers import MixerConfig, kinds_reading
 
 CARD = "README.md"
 LIBRARY = "recurformer"

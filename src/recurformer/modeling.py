@@ -21,8 +21,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import HybridAttention
 from .cache import CACHE_ARGUMENT, HybridCache
-from .config import ConfigError, MixerConfig, ReplacementSpec
+from .config import ConfigError, ReplacementSpec
 from .errors import RecurformerError
+from .mixers import MixerConfig
 
 # model_type -> how to read its attention layout. Llama carries one `attention_bias` flag
 # for q/k/v/o; Qwen2 has biases on q/k/v only; Mistral has none.

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 from transformers.initialization import no_init_weights
 
-from .config import ConfigError, MixerConfig, ReplacementSpec
+from .config import ConfigError, ReplacementSpec
 from .errors import RecurformerError
 from .hub import source_name
-from .mixers import Mixer, ReplacedHeads, resolve_for_model
+from .mixers import Mixer, MixerConfig, ReplacedHeads, resolve_for_model
 from .modeling import RecurFormerConfig, RecurFormerForCausalLM, check_architecture
 
 INITS = ("reuse", "random")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from ..config import FIELD_READERS, MIXER_KINDS, MixerConfig
+from .config import FIELD_READERS, MIXER_KINDS, MixerConfig
 
 MixerState = dict[str, Tensor]
 PositionEmbeddings = tuple[Tensor, Tensor]

@@ -23,7 +23,8 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
     `scan_backend` is neither `auto` nor `compiled`; autograd records (the compiled step
     has no backward); or, with `auto`, the kernels are not built or the tensors do not
     suit them (CPU, fp32 or bf16 activations, every parameter in their dtype, an fp32
-    `state_dtype`). `compiled` with unsuitable tensors raises a one-line error."""
+    `state_dtype` where the kind keeps a state). `compiled` with unsuitable tensors raises
+    a one-line error."""
     backend = mixer.config.scan_backend
     if (backend != "auto" and backend != "compiled") or records_gradients(mixer, x):
         return None
@@ -31,8 +32,8 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
     if kernel is not None:
         return kernel
     parameters = list(mixer.parameters())
-    suitable = (kernels.usable(x) and mixer.config.state_dtype == "float32"
-                and all(p.dtype == x.dtype for p in parameters))
+    fp32_state = not mixer.config.reads("state_dtype") or mixer.config.state_dtype == "float32"
+    suitable = kernels.usable(x) and fp32_state and all(p.dtype == x.dtype for p in parameters)
     if backend == "auto" and not suitable:
         return None
     if not suitable:

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import MixerConfig
 from ..ops.conv import causal_conv1d
 from ..ops.selective_scan import selective_scan
 from ..ops.step import mamba_step
 from ..ops.window_step import MambaTail
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
+from .config import MixerConfig
 
 
 @register_mixer("mamba")

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import MixerConfig
 from ..ops.conv import causal_conv1d
 from ..ops.gated_norm import gated_rms_norm
 from ..ops.ssd import ssd
 from ..ops.step import mamba2_step
 from ..ops.window_step import Mamba2Tail
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
+from .config import MixerConfig
 
 _NORM_EPS = 1e-5
 _A_INIT_RANGE = (1.0, 16.0)

@@ -24,8 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from ..config import AUTO, MixerConfig
 from .base import MIXERS, HeadShape
+from .config import AUTO, MixerConfig
 
 BUDGET_WINDOW = 64
 

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ..config import MixerConfig
 from ..ops.window import token_positions, window_attention
 from ..ops.window_step import Tail, WindowWeights
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .config import MixerConfig
 from .fused_step import compiled_step, rotary
 
 
@@ -36,7 +36,7 @@ class WindowMixer(Mixer):
     """Sliding-window softmax attention `[B, T, d_in] -> [B, T, H * D]` with a ring-buffer
     state of `sinks + window` tokens."""
 
-    reads = frozenset({"window", "sinks"})
+    reads = frozenset({"window", "sinks", "scan_backend"})  # scan_backend: whether a decode step may be compiled
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config import MixerConfig
 from ..ops.window_step import LinearTail, WindowWeights
 from .base import HeadShape, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
+from .config import MixerConfig
 from .fused_step import compiled_step, rotary
 from .window import WindowMixer
 

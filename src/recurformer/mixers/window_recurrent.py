@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..config import MixerConfig
 from ..ops.window_step import Mamba2Tail, MambaTail, WindowWeights
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
+from .config import MixerConfig
 from .fused_step import compiled_step, rotary
 from .mamba import MambaMixer
 from .mamba2 import Mamba2Mixer

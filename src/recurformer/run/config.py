@@ -10,10 +10,10 @@ from typing import Any
 
 from ..ablation import AblationConfig
 from ..bench import BenchConfig
-from ..config import ConfigError, MixerConfig, option, parse_ssd_state, parse_window, require
+from ..config import ConfigError, option, require
 from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, not_found, shared_corpora
 from ..loading import check_convertible
-from ..mixers import resolve_for_model
+from ..mixers import MixerConfig, parse_ssd_state, parse_window, resolve_for_model
 from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
 

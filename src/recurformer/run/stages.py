@@ -38,7 +38,7 @@ from ..ablation import AblationConfig
 from ..attention import check_window_fits
 from ..bench import against_original
 from ..checks import check_model_folder, require_finite
-from ..config import MixerConfig, check_replaces_some
+from ..config import check_replaces_some
 from ..data import Corpus, DataError, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
 from ..evaluate import TASKS, RunSettings, Task
@@ -46,13 +46,13 @@ from ..files import write_json_atomic, write_text_atomic
 from ..hub import model_path, resolve_model
 from ..loading import load_converted, load_model, model_bytes, portable_name, save_model
 from ..memory import release_freed_memory
-from ..model_card import write_model_card
 from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect, run_metric_table
+from ..mixers import MixerConfig
+from ..model_card import write_model_card
 from ..modeling import check_architecture
 from ..outputs import Claim
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
-from ..scoring import (AnalysisConfig, HeadScores, RetrievalAblationScorer, SelectionConfig, ablation_measurement,
-                       analyze_text)
+from ..scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
 from ..surgery import convert, parameter_report
 from ..train import CHECKPOINT, TrainConfig, has_checkpoint, objective_for, seconds_per_step, train_stage
 from .config import RunConfig, Sizes
@@ -67,12 +67,13 @@ def analyze_heads(model, tokenizer, documents: list[str], analysis: AnalysisConf
                   ablation: AblationConfig, model_name: str, data: list[str], out: str | Path,
                   checkpoint: str | Path, plot: str | Path | None = None) -> HeadScores:
     """Score every head of `model` on `documents` and write the scores to `out` (and the
-    heatmap to `plot`, the groups `selection` would replace marked). With an ablation scorer,
-    also each group's ablation cost: measured layer by layer into `checkpoint`, from which an
-    interrupted analysis resumes, and which is removed once the scores are written."""
+    heatmap to `plot`, the groups `selection` would replace marked), with what the scorer
+    needs (`selection.needs`): for an ablation scorer, each group's ablation cost, measured
+    layer by layer into `checkpoint`, from which an interrupted analysis resumes, and which
+    is removed once the scores are written."""
     scores = analyze_text(model, tokenizer, documents, analysis, seed=selection.seed, model_name=model_name,
-                          data=data, ablation=ablation_measurement(selection.scorer, ablation), checkpoint=checkpoint,
-                          retrieval=selection.scorer == RetrievalAblationScorer.name)
+                          data=data, ablation=selection.needs.measurement(ablation), checkpoint=checkpoint,
+                          retrieval=selection.needs.probe == "retrieval")
     scores.save(out)
     Path(checkpoint).unlink(missing_ok=True)
     if plot:
