@@ -259,9 +259,9 @@ def test_bench_command_with_batches_in_bfloat16(converted_dir, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--batch", "0"), "argument --batch: --batch: expected positive integers, got '0'"),
-    (("--batch", "4,x"), "argument --batch: --batch: expected comma-separated integers, got '4,x'"),
-    (("--dtype", "float8"), "argument --dtype: --dtype: expected one of float32, bfloat16, float16, got 'float8'"),
+    (("--batch", "0"), "--batch: expected positive integers, got '0' (see --help)"),
+    (("--batch", "4,x"), "--batch: expected comma-separated integers, got '4,x' (see --help)"),
+    (("--dtype", "float8"), "--dtype: expected one of float32, bfloat16, float16, got 'float8' (see --help)"),
 ])
 def test_bad_bench_values_are_one_line_errors(converted_dir, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:

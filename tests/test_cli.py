@@ -10,7 +10,7 @@ from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM
 
 import recurformer  # noqa: F401
-from recurformer.cli import main
+from recurformer.cli import build_parser, main
 from recurformer.commands import recipe_train_config
 from recurformer.mixers import kinds_reading
 from recurformer.recipe import RECIPES
@@ -150,7 +150,6 @@ def test_convert_and_train_with_another_mixer(workspace, capsys, mixer, flags, e
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--mixer", "rwkv"], "mixer kind: unknown 'rwkv'"),
     (["--mixer", "window", "--window", 0], "window must be 'auto' or a positive integer, got 0"),
     (["--mixer", "window", "--sinks", -2], "sinks must be a non-negative integer, got -2"),
     # the readers of a field are every registered kind that declares it (`Mixer.reads`)
@@ -245,3 +244,41 @@ def test_train_takes_its_defaults_from_the_recipe_of_the_folders_kind(tmp_path):
     given = recipe_train_config(str(folder), {"steps": 3, "lr": 0.01, "batch_size": 2, "seq_len": 64})
     assert (given.stage, given.trainable, given.lr, given.batch_size, given.grad_accum) == ("transfer", "tail", 0.01,
                                                                                             2, 1)
+
+
+def test_one_name_per_concept_and_the_old_names_still_work():
+    parser = build_parser()
+
+    def parsed(*argv):
+        return vars(parser.parse_args(list(argv)))
+
+    assert parsed("train", "d", "--data", "t", "--out", "o", "--original", "m")["teacher"] == "m"
+    assert parsed("train", "d", "--data", "t", "--out", "o", "--teacher", "m")["teacher"] == "m"
+    assert parsed("bench", "d", "--out", "o", "--original", "m")["baseline"] == "m"
+    assert parsed("bench", "d", "--out", "o", "--baseline", "m", "--context", "64")["contexts"] == (64,)
+    assert parsed("bench", "d", "--out", "o", "--contexts", "64,128")["contexts"] == (64, 128)
+    assert parsed("eval", "d", "--task", "agreement", "--original", "m")["reference"] == "m"
+    assert parsed("eval", "d", "--task", "agreement", "--reference", "m")["reference"] == "m"
+    assert parsed("analyze", "m", "--data", "t", "--out", "o", "--recency-window", "8")["window"] == 8
+    assert parsed("analyze", "m", "--data", "t", "--out", "o", "--window", "8")["window"] == 8
+    assert parsed("run", "some/model", "--out", "o")["model_argument"] == "some/model"
+
+
+def test_version_and_one_line_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip().startswith("recurformer ")
+    for argv, message in [(["eval", "m", "--task", "ppl", "--context", "abc"], "--context: expected an integer, got 'abc'"),
+                          (["convert", "m", "--scores", "s", "--out", "o", "--mixer", "bogus"],
+                           "--mixer: invalid choice: 'bogus' (choose from"),
+                          (["bench", "d", "--out", "o", "--contexts", "0"], "--contexts: expected positive integers")]:
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and message in err[0], err
+        assert err[0].count(message.split(":")[0] + ":") == 1  # the flag named once
+
+
+def test_run_takes_the_model_as_the_other_commands_do(capsys):
+    assert main(["run", "a/model", "--model", "b/model", "--out", "o"]) == 2
+    assert "MODEL 'a/model' and --model 'b/model' disagree" in capsys.readouterr().err

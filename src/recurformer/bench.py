@@ -53,8 +53,8 @@ def _positive_integers(flag: str, text: str) -> tuple[int, ...]:
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:
-    """`--context 512,2048,8192` -> (512, 2048, 8192)."""
-    return _positive_integers("--context", text)
+    """`--contexts 512,2048,8192` -> (512, 2048, 8192)."""
+    return _positive_integers("--contexts", text)
 
 
 def parse_batches(text: str) -> tuple[int, ...]:
@@ -75,7 +75,8 @@ class BenchConfig:
     """What `bench` measures: the contexts and batch sizes, the decode steps timed, the
     rounds, the dtype, and whether the original's static-cache decode also runs compiled."""
 
-    contexts: tuple[int, ...] = option((512, 2048, 8192), "comma-separated context lengths", flag="--context",
+    contexts: tuple[int, ...] = option((512, 2048, 8192), "comma-separated context lengths", flag="--contexts",
+                                       aliases=("--context",), metavar="C,C,...",
                                        parse=parse_contexts)
     batches: tuple[int, ...] = option((1,), "comma-separated batch sizes: sequences decoded together, left-padded "
                                       "rows of different lengths (docs/benchmarks.md)", flag="--batch", parse=parse_batches)
@@ -91,7 +92,7 @@ class BenchConfig:
                                 "measured)")
 
     def __post_init__(self) -> None:
-        require(bool(self.contexts) and min(self.contexts) >= 1, f"--context: expected positive integers, got {self.contexts}")
+        require(bool(self.contexts) and min(self.contexts) >= 1, f"--contexts: expected positive integers, got {self.contexts}")
         require(bool(self.batches) and min(self.batches) >= 1, f"--batch: expected positive integers, got {self.batches}")
         require(self.decode_steps >= 1, f"--decode-steps must be >= 1, got {self.decode_steps}")
         require(self.rounds >= 1, f"--rounds must be >= 1, got {self.rounds}")
@@ -372,7 +373,7 @@ def against_original(converted: dict[str, Any], original, config: BenchConfig, p
     be in `config.dtype`."""
     limit = original.config.max_position_embeddings
     if max(config.contexts) + config.decode_steps + 8 > limit:
-        raise ConfigError(f"--context {max(config.contexts)} plus decoding exceeds the model's {limit} positions")
+        raise ConfigError(f"--contexts {max(config.contexts)} plus decoding exceeds the model's {limit} positions")
     for name, model in {"the original": original, **converted}.items():
         require(model.dtype == config.torch_dtype, f"{name} is in {model.dtype}, the benchmark in {config.dtype}")
     contenders = {name: Contender(original.eval(), cache, compiled) for name, (cache, compiled) in BASELINES.items()

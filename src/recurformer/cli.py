@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import types
 import typing
@@ -17,9 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields
 from typing import Any
 
-from . import commands
+from . import __version__, commands
 from .ablation import AblationConfig
 from .bench import BenchConfig
+from .config import ConfigError
 from .errors import RecurformerError
 from .evaluate import TASKS
 from .hub import with_revision
@@ -30,14 +32,29 @@ from .surgery import INITS
 from .train import TrainConfig
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, its errors one line that names the flag once ("--context: must be >= 1"),
+    without the usage block (`--help` shows it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        found = re.match(r"argument ([^:]+): (.*)", message, flags=re.S)
+        if found:
+            flag, rest = found.groups()
+            message = rest if rest.startswith(flag.split("/")[0]) else f"{flag}: {rest}"
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse type from a parser that raises `RecurformerError` or `ValueError`."""
 
     def convert(text: str) -> Any:
         try:
             return parse(text)
-        except (RecurformerError, ValueError) as error:
+        except RecurformerError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
+        except ValueError as error:
+            expected = {int: "an integer", float: "a number"}.get(parse)
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}" if expected else str(error)) from None
 
     convert.__name__ = getattr(parse, "__name__", "value")
     return convert
@@ -68,13 +85,16 @@ def add_options(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] 
         if only is not None and spec.name not in only:
             continue
         meta, hint = spec.metadata, _plain_type(hints[spec.name])
-        flag = meta.get("flag", "--" + spec.name.replace("_", "-"))
+        flags = [meta.get("flag", "--" + spec.name.replace("_", "-")), *meta.get("aliases", ())]
         shown = (defaults or {}).get(spec.name, _default(spec))
         quiet = shown is None or shown is False or shown == [] or shown == ""
         text = meta.get("help", "") + ("" if quiet else f" (default: {_show(shown)})")
+        text += f" (old name, kept for now: {', '.join(flags[1:])})" if len(flags) > 1 else ""
         kwargs: dict[str, Any] = dict(dest=spec.name, default=None, help=text)
         if "metavar" in meta:
             kwargs["metavar"] = meta["metavar"]
+        if "choices" in meta:  # a function: the kinds are known once they have registered
+            kwargs["choices"] = list(meta["choices"]())
         if hint is bool:
             kwargs.update(action="store_true", default=None)
         elif "parse" in meta:
@@ -83,7 +103,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] 
             kwargs.update(nargs="+", type=typing.get_args(hint)[0])
         else:
             kwargs["type"] = _argument_type(hint)
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(*flags, **kwargs)
         names.append(spec.name)
     return names
 
@@ -153,7 +173,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    args.model = with_revision(args.model or RunConfig.model, args.revision)
+    if args.model_argument and args.model and args.model_argument != args.model:
+        raise ConfigError(f"MODEL {args.model_argument!r} and --model {args.model!r} disagree; give one")
+    args.model = with_revision(args.model_argument or args.model or RunConfig.model, args.revision)
     metrics = run_pipeline(build(RunConfig, args), args.out, force=args.force)
     print(f"wrote {args.out}/report.md and {args.out}/metrics.json: perplexity {metrics['ppl_original']:.2f} -> "
           f"{metrics['ppl_final']:.2f}, cache {metrics['cache_ratio']:.3f}x and decode {metrics['decode_speedup']:.2f}x "
@@ -177,11 +199,13 @@ def _eval_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="recurformer",
         description="Replace recency-aware attention heads of a pretrained LLM with recurrent (or windowed) mixers.",
     )
+    parser.add_argument("--version", action="version", version=f"recurformer {__version__}")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    original_help = "the original model, as MODEL is given (default: the one the converted model records)"
     model_help = "local HF model directory, a known name (smollm2-135m) or a Hugging Face id org/name (docs/models.md)"
     revision_help = "of a Hugging Face id given as MODEL: branch, tag or commit (default: main)"
 
@@ -214,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the trained model, checkpoints and logs")
     add_options(p, TrainConfig, defaults={name: "the recipe of the model's mixer kind, as `run` trains it "
                                           "(docs/training.md)" for name in commands.RECIPE_FIELDS})
-    p.add_argument("--teacher", help="the original model (default: the one recorded at conversion)")
+    p.add_argument("--original", "--teacher", dest="teacher", help=original_help + " (old name, kept for now: "
+                   "--teacher)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--force", action="store_true", help="start over if --out exists")
     p.add_argument("--keep-checkpoint", action="store_true", help="keep the last checkpoint after training")
@@ -231,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = subcommands.add_parser("bench", help="cache bytes, prefill and decode speed against the original model")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="converted model directories")
-    p.add_argument("--baseline", help="the original model (default: the one DIR was converted from)")
-    p.add_argument("--revision", help="of a Hugging Face id given as --baseline: branch, tag or commit")
+    p.add_argument("--original", "--baseline", dest="baseline", help=original_help + " (old name, kept for now: "
+                   "--baseline)")
+    p.add_argument("--revision", help="of a Hugging Face id given as --original: branch, tag or commit")
     add_options(p, BenchConfig)
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--plot", help="PNG to write")
@@ -241,11 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = subcommands.add_parser("generate", help="continue a prompt with a converted (or original) model")
     p.add_argument("model", help="converted directory, or a model as for analyze (" + model_help + ")")
     p.add_argument("--revision", help=revision_help)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue")
     add_options(p, commands.GenerationOptions)
     p.set_defaults(func=cmd_generate)
 
     p = subcommands.add_parser("run", help="the whole method end to end: analyze, convert, train, evaluate, bench, report")
+    p.add_argument("model_argument", nargs="?", metavar="MODEL", help=f"{model_help}; or --model (default: "
+                   f"{RunConfig.model})")
     add_options(p, RunConfig)
     p.add_argument("--revision", help="of a Hugging Face id given as --model: branch, tag or commit (default: main)")
     p.add_argument("--out", required=True, help="run directory (re-running continues it)")

@@ -49,7 +49,8 @@ class AgreementOptions:
                              factory=lambda: shared_corpora(EVAL_CORPORA + OUT_OF_DOMAIN_CORPORA))
     context: int = option(1024, "tokens per window")
     max_tokens: int = option(8192, "tokens scored per file (the first N)")
-    reference: str | None = option(None, "the original model (default: the one the converted model records)")
+    reference: str | None = option(None, "the original model (default: the one the converted model records)",
+                                   flag="--original", aliases=("--reference",), metavar="MODEL")
 
     def __post_init__(self) -> None:
         require(bool(self.data), "--task agreement needs --data FILE (no shared corpora found)")

@@ -81,7 +81,8 @@ class MixerConfig:
     """
 
     # [ours] the default is the best-measured kind, not the paper's `mamba` (docs/mixers.md)
-    kind: str = option("window+mamba2", "what replaces the heads (docs/mixers.md; the paper's: mamba)", flag="--mixer")
+    kind: str = option("window+mamba2", "what replaces the heads (docs/mixers.md; the paper's: mamba)", flag="--mixer",
+                      choices=lambda: MIXER_KINDS)
     # "mamba" and "mamba2" below include the recurrent branch of window+mamba and window+mamba2.
     d_state: int = 16  # mamba: state size per channel
     d_conv: int = 4  # mamba, mamba2: causal conv width

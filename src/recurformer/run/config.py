@@ -13,7 +13,7 @@ from ..bench import BenchConfig
 from ..config import ConfigError, option, require
 from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, not_found, shared_corpora
 from ..loading import check_convertible
-from ..mixers import MixerConfig, parse_ssd_state, parse_window, resolve_for_model
+from ..mixers import MIXER_KINDS, MixerConfig, parse_ssd_state, parse_window, resolve_for_model
 from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
 
@@ -50,7 +50,8 @@ class RunConfig:
                                  "--data, evaluation only)", metavar="FILE",
                                  factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA))
     beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
-    mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md; the paper's: mamba)")
+    mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md; the paper's: mamba)",
+                        choices=lambda: MIXER_KINDS)
     window: int | str | None = option(None, "window mixers: tokens each query attends back (default: auto, the "
                                       "default cache budget for the model's heads: docs/mixers.md)",
                                       parse=parse_window, metavar="W")

@@ -141,7 +141,8 @@ def analyze(
 class AnalysisConfig:
     """How much text `analyze` reads, and the window of the recency ratio that ranks groups."""
 
-    window: int = option(16, "recency window w (tokens) of the ratio that ranks the groups")
+    window: int = option(16, "recency window w (tokens) of the ratio that ranks the groups",
+                         flag="--recency-window", aliases=("--window",), metavar="W")
     sequences: int = option(32, "number of sequences to score")
     seq_len: int = option(1024, "tokens per sequence")
     batch_size: int = option(1, "sequences per forward pass")
@@ -149,7 +150,8 @@ class AnalysisConfig:
     def __post_init__(self) -> None:
         for name in ("window", "sequences", "seq_len", "batch_size"):
             value = getattr(self, name)
-            require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            flag = "--recency-window" if name == "window" else f"--{name.replace('_', '-')}"
+            require(value >= 1, f"{flag} must be >= 1, got {value}")
 
 
 def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig, seed: int = 0, model_name: str = "",
