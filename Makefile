@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[test,gguf,lora,eval]"
+	$(BIN)/pip install --quiet -e ".[test,gguf,lora,eval,datasets]"
 	touch $(STAMP)
 
 # The fast suite: tiny random models, no network, no real model.

@@ -22,7 +22,7 @@ PACKAGE = ROOT / "src" / "recurformer"
 # Bottom to top. A module may import modules of its own layer or of lower ones, never of a
 # higher one. Layer 0 holds the leaves that anything may use.
 LAYERS: dict[str, int] = {
-    "errors": 0, "config": 0, "files": 0, "data": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
+    "errors": 0, "config": 0, "files": 0, "data": 0, "dataset_ids": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
     "ops": 1,
     "mixers": 2,
     "attention": 3, "attention_hook": 3, "cache": 3,
@@ -37,7 +37,7 @@ LAYERS: dict[str, int] = {
     "__init__": 10,  # the public API re-exports from every layer
 }
 # Optional dependencies, imported inside the function that needs them (with the reason beside it).
-OPTIONAL = {"peft", "lm_eval", "mamba_ssm", "causal_conv1d"}
+OPTIONAL = {"peft", "lm_eval", "mamba_ssm", "causal_conv1d", "datasets"}
 
 
 def modules() -> list[Path]:

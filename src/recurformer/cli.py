@@ -22,6 +22,7 @@ from . import __version__, commands
 from .ablation import AblationConfig
 from .bench import BenchConfig
 from .config import ConfigError
+from .dataset_ids import text_file
 from .errors import RecurformerError
 from .evaluate import TASKS
 from .hub import with_revision
@@ -89,6 +90,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, only: Sequence[str] 
         shown = (defaults or {}).get(spec.name, _default(spec))
         quiet = shown is None or shown is False or shown == [] or shown == ""
         text = meta.get("help", "") + ("" if quiet else f" (default: {_show(shown)})")
+        text += "; a file, or a Hugging Face dataset id org/name:config:split" if spec.name in TEXT_FLAGS else ""
         text += f" (old name, kept for now: {', '.join(flags[1:])})" if len(flags) > 1 else ""
         kwargs: dict[str, Any] = dict(dest=spec.name, default=None, help=text)
         if "metavar" in meta:
@@ -112,6 +114,16 @@ def _show(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return ",".join(map(str, value)) if all(isinstance(v, (int, float)) for v in value) else " ".join(map(str, value))
     return str(value)
+
+
+TEXT_FLAGS = ("data", "eval_data", "ood_data")  # take files or Hugging Face dataset ids
+
+
+def _text_files(args: argparse.Namespace) -> None:
+    """Each dataset id given to a text flag replaced by the local file of its text (`dataset_ids`)."""
+    for name in TEXT_FLAGS:
+        if isinstance(getattr(args, name, None), list):
+            setattr(args, name, [text_file(spec) for spec in getattr(args, name)])
 
 
 def build(cls: type, args: argparse.Namespace, **extra: Any):
@@ -212,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = subcommands.add_parser("analyze", help="score every head's recency ratio on real text")
     p.add_argument("model", help=model_help)
     p.add_argument("--revision", help=revision_help)
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help=".txt or .jsonl files")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help=".txt or .jsonl files, or Hugging Face "
+                   "dataset ids org/name:config:split")
     p.add_argument("--out", required=True, help="scores JSON to write")
     p.add_argument("--plot", help="heatmap PNG to write (the groups --beta would replace marked)")
     add_options(p, AnalysisConfig)
@@ -234,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = subcommands.add_parser("train", help="continual training of a converted model (transfer or lm stage)")
     p.add_argument("dir", help="converted model directory (from 'convert' or an earlier 'train')")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training text (.txt or .jsonl)")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training text (.txt or .jsonl files, or "
+                   "Hugging Face dataset ids org/name:config:split)")
     p.add_argument("--out", required=True, help="directory for the trained model, checkpoints and logs")
     add_options(p, TrainConfig, defaults={name: "the recipe of the model's mixer kind, as `run` trains it "
                                           "(docs/training.md)" for name in commands.RECIPE_FIELDS})
@@ -285,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _text_files(args)
         return int(args.func(args) or 0)
     except RecurformerError as error:
         print(f"recurformer: error: {error}", file=sys.stderr)

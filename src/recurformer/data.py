@@ -57,7 +57,8 @@ def not_found(path: str | Path) -> DataError:
     """The error for a data file that is not there; for a shared corpus, where it was looked for."""
     message = f"data file not found: {path}"
     if Path(path).parent == corpora_folder():
-        message += f" (the shared corpora are read from ${DATA_ENV}, else ../shared/data; or pass the file)"
+        message += (f" (the shared corpora are read from ${DATA_ENV}, else ../shared/data; or pass the file, or a "
+                    "Hugging Face dataset id such as Salesforce/wikitext:wikitext-2-raw-v1:test: docs/data.md)")
     return DataError(message)
 
 
