@@ -186,10 +186,7 @@ def measure_ruler(model, tokenizer, args) -> None:
         for name in (n for n in args.presses.split(",") if n):
             label, press_class = PRESSES[name]
             row_name = f"{name}@{budget}"
-            results = read_json(out, "results") if out.exists() else {"schema": RULER_SCHEMA,
-                                                                      "problems": problems["digest"], "rows": {}}
-            if results.get("problems") != problems["digest"]:
-                raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+            results = open_results(out, RULER_SCHEMA, problems["digest"])
             row = results["rows"].get(row_name, {"budget": budget, "kind": name, "labels": {}, "cache": {},
                                                  "completions": {}, "seconds": 0.0})
             todo = [(i, p) for i, p in enumerate(problems["problems"]) if str(i) not in row["completions"]]
@@ -246,10 +243,7 @@ def measure_shared(model, tokenizer, args) -> None:
         for name in (n for n in args.presses.split(",") if n):
             label, press_class = PRESSES[name]
             row_name = f"{name}@{budget}"
-            results = read_json(out, "results") if out.exists() else {"schema": SHARED_SCHEMA,
-                                                                      "problems": problems["digest"], "rows": {}}
-            if results.get("problems") != problems["digest"]:
-                raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+            results = open_results(out, SHARED_SCHEMA, problems["digest"])
             length = problems["context"]
             ratio = 1 - ours["budgets"][budget]["bytes"] / (per_token * length)
             row = results["rows"].get(row_name, {"budget": budget, "kind": name, "contexts": {}, "seconds": 0.0})
@@ -279,6 +273,14 @@ def measure_shared(model, tokenizer, args) -> None:
                             for r, n in zip(row["contexts"][str(index)]["multi-request"], context["needles"]))
                 print(f"  context {index}: {right}/{len(context['needles'])} ({time.time() - start:.0f} s)", flush=True)
     print(f"wrote {out}")
+
+
+def open_results(out: Path, schema: str, digest: str) -> dict:
+    """The rows file at `out` (a new one of `schema` if there is none), made on problem set `digest`."""
+    results = read_json(out, "results") if out.exists() else {"schema": schema, "problems": digest, "rows": {}}
+    if results.get("problems") != digest:
+        raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+    return results
 
 
 def bytes_per_token(model) -> int:
@@ -326,18 +328,13 @@ def main() -> None:
     unknown = [name for name in presses if name not in PRESSES]
     if unknown:
         raise SystemExit(f"error: --presses: unknown {unknown}; choose from {', '.join(PRESSES)}")
-    if args.shared:
-        args.ours = args.ours or str(RESULTS / "shared-ours.json")
-        args.out = args.out or str(RESULTS / "shared-kvpress.json")
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        measure_shared(model, AutoTokenizer.from_pretrained(args.model), args)
-        return
-    if args.ruler:
-        args.ours = args.ours or str(RESULTS / "ruler-ours.json")
-        args.out = args.out or str(RESULTS / "ruler-kvpress.json")
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        measure_ruler(model, AutoTokenizer.from_pretrained(args.model), args)
-        return
+    for chosen, name, measure_set in ((args.shared, "shared", measure_shared), (args.ruler, "ruler", measure_ruler)):
+        if chosen:
+            args.ours = args.ours or str(RESULTS / f"{name}-ours.json")
+            args.out = args.out or str(RESULTS / f"{name}-kvpress.json")
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+            measure_set(model, AutoTokenizer.from_pretrained(args.model), args)
+            return
     args.ours, args.out = args.ours or str(RESULTS / "peers-ours.json"), args.out or str(RESULTS / "peers-kvpress.json")
     problems = read_json(Path(args.problems), "problem set")
     ours = read_json(Path(args.ours), "our rows")

@@ -167,9 +167,10 @@ def parse_row(name: str, budgets: dict[str, str], compose_base: str | None) -> t
     return kind, budget
 
 
-def load_results(path: Path, digest: str) -> dict:
+def load_results(path: Path, digest: str, schema: str = SCHEMA) -> dict:
+    """The rows file at `path` (a new one of `schema` if there is none), made on problem set `digest`."""
     if not path.exists():
-        return {"schema": SCHEMA, "problems": digest, "rows": {}}
+        return {"schema": schema, "problems": digest, "rows": {}}
     results = json.loads(path.read_text())
     if results.get("problems") != digest:
         raise SystemExit(f"error: {path} was made on problem set {results.get('problems')}, not {digest}; "

@@ -43,15 +43,15 @@ class TableError(RecurformerError):
     """A results file is missing, malformed, or not comparable with the other."""
 
 
-def load(path: Path, what: str) -> dict:
+def load(path: Path, what: str, schema: str = SCHEMA) -> dict:
     if not path.is_file():
         raise TableError(f"{what} file {path} does not exist")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise TableError(f"{what} file {path} is not valid JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("rows"), dict):
-        raise TableError(f"{what} file {path} is not a {SCHEMA} file")
+    if not isinstance(data, dict) or data.get("schema") != schema or not isinstance(data.get("rows"), dict):
+        raise TableError(f"{what} file {path} is not a {schema} file")
     return data
 
 
@@ -230,7 +230,19 @@ def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", points
 
 
-def plot(points: dict[str, list[tuple[float, float]]], path: Path) -> None:
+def write_section(doc: Path, begin: str, end: str, text: str) -> None:
+    """Replace what stands between the lines `begin` and `end` of `doc` by `text`."""
+    content = doc.read_text()
+    if content.count(begin) != 1 or content.count(end) != 1:
+        raise TableError(f"{doc} needs one {begin} and one {end} line")
+    head, rest = content.split(begin)
+    write_text_atomic(doc, head + begin + "\n" + text + end + rest.split(end, 1)[1])
+
+
+def plot(points: dict[str, list[tuple[float, ...]]], path: Path, ylabel: str = "RULER-4K headline (0-100)",
+         xlabel: str = "cache bytes at 4K tokens / the original's") -> None:
+    """Score against cache fraction, a line per method; points `(fraction, score)`, or
+    `(fraction, score, low, high)` to draw each score's interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,10 +252,12 @@ def plot(points: dict[str, list[tuple[float, float]]], path: Path) -> None:
     colors = plt.get_cmap("tab10").colors
     for number, (method, values) in enumerate(sorted(points.items())):
         values = sorted(values)  # more than ten methods: the next ten take the colors again with another marker
-        axes.plot([x for x, _ in values], [y for _, y in values], marker="os^D"[number // 10 % 4],
-                  color=colors[number % 10], linestyle="-" if method.startswith("our ") else "--", label=method)
-    axes.set_xlabel("cache bytes at 4K tokens / the original's")
-    axes.set_ylabel("RULER-4K headline (0-100)")
+        errors = [[v[1] - v[2] for v in values], [v[3] - v[1] for v in values]] if len(values[0]) == 4 else None
+        axes.errorbar([v[0] for v in values], [v[1] for v in values], yerr=errors, capsize=3,
+                      marker="os^D"[number // 10 % 4], color=colors[number % 10],
+                      linestyle="-" if method.startswith("our ") else "--", label=method)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7, loc="best")
     figure.tight_layout()
@@ -271,14 +285,10 @@ def main() -> int:
             print(compare(ours, peers, *names))
             return 0
         tables, points = render(ours, peers)
-        doc = Path(args.doc).read_text()
-        if doc.count(BEGIN) != 1 or doc.count(END) != 1:
-            raise TableError(f"{args.doc} needs one {BEGIN} and one {END} line")
+        write_section(Path(args.doc), BEGIN, END, tables)
     except RecurformerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    head, rest = doc.split(BEGIN)
-    write_text_atomic(args.doc, head + BEGIN + "\n" + tables + END + rest.split(END, 1)[1])
     plot(points, Path(args.plot))
     print(tables, end="")
     return 0

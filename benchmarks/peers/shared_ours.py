@@ -33,7 +33,7 @@ from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
 
 from benchmarks.common import RESULTS as ALL_RESULTS
-from benchmarks.peers.ruler_ours import Rows, beta_of, parse_row
+from benchmarks.peers.ruler_ours import Rows, beta_of, load_results, parse_row
 from benchmarks.peers.ruler_table import TableError, split_budget
 from benchmarks.peers.shared_problems import PROBLEMS
 
@@ -47,16 +47,6 @@ def training_of(name: str) -> tuple[str, str]:
     return budget, training
 
 
-def load_results(path: Path, digest: str) -> dict:
-    if not path.exists():
-        return {"schema": SCHEMA, "problems": digest, "rows": {}, "budgets": {}}
-    results = json.loads(path.read_text())
-    if results.get("problems") != digest:
-        raise SystemExit(f"error: {path} was made on problem set {results.get('problems')}, not {digest}; "
-                         "use another --out")
-    return results
-
-
 def problem_index(problems: dict) -> list[dict]:
     """What the table needs of each context to score its answers (no token ids)."""
     return [{"needles": c["needles"], "starts": c["starts"]} for c in problems["contexts"]]
@@ -64,7 +54,7 @@ def problem_index(problems: dict) -> list[dict]:
 
 def save(path: Path, problems: dict, name: str, row: dict, budgets: dict) -> None:
     """Write `row` into the results at `path`, read again just before (other runs' rows are kept)."""
-    results = load_results(path, problems["digest"])
+    results = load_results(path, problems["digest"], SCHEMA)
     results["rows"][name] = row
     results["budgets"] = {**results.get("budgets", {}), **budgets}
     results["index"] = problem_index(problems)
@@ -126,7 +116,7 @@ def main() -> None:
     eos = set(problems["eos"])
     for name, kind, budget in rows:
         model, label, size, compress = builder.build(kind, budget, length)
-        row = load_results(out, problems["digest"])["rows"].get(name, {"budget": budget, "kind": kind,
+        row = load_results(out, problems["digest"], SCHEMA)["rows"].get(name, {"budget": budget, "kind": kind,
                                                                          "contexts": {}, "seconds": 0.0})
         row.update(label=label, cache=size, full=builder.full_per_token * length)
         todo = [i for i in range(len(contexts)) if str(i) not in row["contexts"]]

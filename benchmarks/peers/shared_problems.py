@@ -16,8 +16,6 @@ and value. `eos` are the ids that end an answer; an answer also ends at a line b
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 
 from recurformer.evaluate.ruler import eos_ids
 from recurformer.evaluate.shared_context import BEST_FORMAT, NEEDLES, context_ids, shared_problems, value_start
@@ -26,14 +24,10 @@ from recurformer.loading import load_model
 from recurformer.tasks.shared_context import FORMATS
 
 from benchmarks.common import HELD_OUT, ROOT
+from benchmarks.peers.ruler_problems import digest
 
 SCHEMA = "recurformer-shared-context-problems/1"
 PROBLEMS = ROOT / "runs" / "shared-context-problems.json"
-
-
-def digest(problems: dict) -> str:
-    """A short fingerprint of a problem set: results made on different sets are not compared."""
-    return hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def main() -> None:

@@ -17,17 +17,15 @@ of `--doc` between `<!-- shared-context:begin -->` and `<!-- shared-context:end 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from recurformer.errors import RecurformerError
 from recurformer.evaluate.bootstrap import interval, paired_interval
-from recurformer.files import atomic_file, write_text_atomic
 from recurformer.tasks.shared_context import KINDS, is_exact
 
 from benchmarks.common import RESULTS as ALL_RESULTS
-from benchmarks.peers.ruler_table import TableError, kind_name, ordered
+from benchmarks.peers.ruler_table import TableError, kind_name, load, ordered, plot, write_section
 
 RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-shared-context-rows/1"
@@ -39,18 +37,6 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.25,window@0.25", "conversion@0.25,kvzip@0.25",
                "conversion@0.25-ablation-retrieval,kvzip@0.25",
                "conversion@0.25-ablation-retrieval,conversion@0.25")
-
-
-def load(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise TableError(f"{what} file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise TableError(f"{what} file {path} is not valid JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("rows"), dict):
-        raise TableError(f"{what} file {path} is not a {SCHEMA} file")
-    return data
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
@@ -136,30 +122,6 @@ class Table:
         return "\n".join(lines) + "\n", points
 
 
-def plot(points: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    colors = plt.get_cmap("tab10").colors
-    for number, (method, values) in enumerate(sorted(points.items())):
-        values = sorted(values)
-        axes.errorbar([v[0] for v in values], [v[1] for v in values],
-                      yerr=[[v[1] - v[2] for v in values], [v[3] - v[1] for v in values]], capsize=3,
-                      marker="os^D"[number // 10 % 4], color=colors[number % 10],
-                      linestyle="-" if method.startswith("our ") else "--", label=method)
-    axes.set_xlabel("cache bytes at the context length / the original's")
-    axes.set_ylabel("shared-context headline (multi-request exact, 0-100)")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7, loc="best")
-    figure.tight_layout()
-    with atomic_file(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=120)
-    plt.close(figure)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ours", default=str(RESULTS / "shared-ours.json"))
@@ -169,8 +131,8 @@ def main() -> int:
     parser.add_argument("--compare", metavar="A,B", help="print the paired differences of two rows, write nothing")
     args = parser.parse_args()
     try:
-        ours = load(Path(args.ours), "our rows")
-        table = Table(ours, load(Path(args.peers), "peer rows") if Path(args.peers).exists() else None)
+        ours = load(Path(args.ours), "our rows", SCHEMA)
+        table = Table(ours, load(Path(args.peers), "peer rows", SCHEMA) if Path(args.peers).exists() else None)
         if args.compare:
             names = args.compare.split(",")
             if len(names) != 2:
@@ -178,15 +140,12 @@ def main() -> int:
             print(table.compare(*names))
             return 0
         text, points = table.render()
-        doc = Path(args.doc).read_text()
-        if doc.count(BEGIN) != 1 or doc.count(END) != 1:
-            raise TableError(f"{args.doc} needs one {BEGIN} and one {END} line")
+        write_section(Path(args.doc), BEGIN, END, text)
     except RecurformerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    head, rest = doc.split(BEGIN)
-    write_text_atomic(args.doc, head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
-    plot(points, Path(args.plot))
+    plot(points, Path(args.plot), ylabel="shared-context headline (multi-request exact, 0-100)",
+         xlabel="cache bytes at the context length / the original's")
     print(text, end="")
     return 0
 
