@@ -64,27 +64,42 @@ class Table:
         self.index = ours["index"]
         self.rows: dict[str, list[dict]] = {}
         for name, row in {**ours["rows"], **(peers or {}).get("rows", {})}.items():
-            if len(row["contexts"]) == len(self.index):  # finished rows only
+            if row["contexts"]:
                 row.setdefault("kind", "original" if name == "original" else name.split("@")[0])
                 row["budget"] = row["budget"].split("~")[0] if row.get("budget") else None
                 self.rows.setdefault(name.split("~")[0], []).append(row)
-        if "original" not in self.rows:
+        if "original" not in self.rows or not self.finished("original"):
             raise TableError("the original has not answered every context yet: it is the reference of every ratio")
 
-    def measure(self, name: str, measure: str) -> list[list[list[float]]]:
-        """`[training][context][question]` scores of a pooled row."""
+    def answered(self, name: str) -> list[int]:
+        """The contexts every training of row `name` has answered."""
         if name not in self.rows:
-            raise TableError(f"row {name!r} does not exist or has not answered every context")
-        return [[score(row["contexts"][str(i)], context)[measure] for i, context in enumerate(self.index)]
-                for row in self.rows[name]]
+            raise TableError(f"row {name!r} does not exist")
+        return sorted(set.intersection(*[{int(i) for i in row["contexts"]} for row in self.rows[name]]))
+
+    def finished(self, name: str) -> bool:
+        return len(self.answered(name)) == len(self.index)
+
+    def measure(self, name: str, measure: str, contexts: list[int] | None = None) -> list[list[list[float]]]:
+        """`[training][context][question]` scores of a pooled row on `contexts` (default: all)."""
+        contexts = range(len(self.index)) if contexts is None else contexts
+        if not set(contexts) <= set(self.answered(name)):
+            raise TableError(f"row {name!r} has not answered every context asked for")
+        return [[score(row["contexts"][str(i)], self.index[i])[measure] for i in contexts] for row in self.rows[name]]
 
     def compare(self, first: str, second: str) -> str:
+        """The paired differences of two rows on the contexts both have answered."""
+        contexts = sorted(set(self.answered(first)) & set(self.answered(second)))
+        if not contexts:
+            raise TableError(f"rows {first!r} and {second!r} have no answered context in common")
         parts = []
         for measure, unit in (("multi-request/exact", ""), ("multi-turn/exact", ""), ("multi-request/logprob", " nats")):
-            diff, low, high = paired_interval(self.measure(first, measure), self.measure(second, measure))
+            diff, low, high = paired_interval(self.measure(first, measure, contexts),
+                                              self.measure(second, measure, contexts))
             parts.append(f"{measure} {diff:+.{1 if not unit else 3}f}{unit} "
                          f"({low:+.{1 if not unit else 3}f} to {high:+.{1 if not unit else 3}f})")
-        return f"`{first}` - `{second}`: " + "; ".join(parts)
+        on = "" if len(contexts) == len(self.index) else f" (on the {len(contexts)} contexts both have answered)"
+        return f"`{first}` - `{second}`{on}: " + "; ".join(parts)
 
     def render(self) -> tuple[str, dict]:
         contexts, questions = len(self.index), sum(len(c["needles"]) for c in self.index)
@@ -98,7 +113,7 @@ class Table:
                  "| row | method | trained | cache | **headline** | vs original | multi-turn exact | log p | first "
                  "| number | uuid | word |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         points: dict[str, list[tuple[float, float, float, float]]] = {}
-        flat = {name: rows[0] for name, rows in self.rows.items()}
+        flat = {name: rows[0] for name, rows in self.rows.items() if self.finished(name)}
         for name in ordered(flat):
             rows, first = self.rows[name], flat[name]
             fraction = first["cache"] / first["full"]
@@ -114,6 +129,11 @@ class Table:
                          f"{high:.1f}) | {head / top:.0%} | {turn[0]:.1f} ({turn[1]:.1f}-{turn[2]:.1f}) | "
                          f"{logp[0]:.3f} ({logp[1]:.3f} to {logp[2]:.3f}) | {firsts:.1f} | "
                          + " | ".join(f"{v:.0f}" for v in by_kind) + " |")
+        unfinished = [f"`{name}` ({len(self.answered(name))} of {contexts} contexts)" for name in self.rows
+                      if not self.finished(name)]
+        if unfinished:
+            lines += ["", "Still being measured (not in the table; a comparison with them reads the contexts both rows "
+                      "have answered): " + ", ".join(unfinished) + "."]
         stated = [self.compare(*pair.split(",")) for pair in COMPARISONS if all(n in self.rows for n in pair.split(","))]
         if stated:
             lines += ["", "Paired differences (first row minus second; 90% intervals resampling the contexts of both "
