@@ -1,7 +1,8 @@
 """The stages of `recurformer run`, in order, and the `Run` they share.
 
 1. `resolve`   the model (fetched once into the local cache if it is a known name), and the
-               checks that need it: its architecture, the window, the evaluation texts' length
+               checks that need it: its architecture, the window, the training sequences'
+               length, the evaluation texts' length, the retrieval mix (made here)
 2. `analyze`   head statistics and scores on the training text -> scores.json, heads.png
 3. `convert`   replace the top-beta KV groups -> converted/
 4. `plan`      time one step of each training stage and turn the budget into step counts
