@@ -17,9 +17,9 @@ A key is a noun of `NOUNS` and a number of 2 or 3 digits, distinct within a sequ
 are at most one fact per `FACT_EVERY` tokens, and as many as fit while the text keeps at
 least `MIN_TEXT` of the sequence (with SmolLM2's tokenizer, 1,024 tokens hold 8 facts and 4
 questions, about a fifth of the tokens; 96 tokens, `run --quick`'s, one of each).
-The answers are ordinary tokens: the loss stays the KL to the original on every position, so
-the converted model learns to answer as the original does; `answers` marks the value tokens of
-the answers for a loss that wants them.
+The answers are ordinary tokens: the loss stays the recipe's (the tail recipes': the KL to the
+original on every position), so the converted model learns to answer as the original does;
+`answers` marks the value tokens of the answers for a loss that wants them.
 
 The templates, keys and values differ from every evaluation task's (RULER's special magic
 numbers and UUIDs, the passkey, the shared-context task's lock codes, tracking IDs and
@@ -127,12 +127,12 @@ def retrieval_sequence(tokenizer, text: list[int], rng: random.Random) -> Retrie
     seq_len = len(text)
     drawn = draw_facts(rng, max(1, seq_len // FACT_EVERY))
     statements = [_encode(tokenizer, fact.statement) for fact in drawn]
-    answers = [(_encode(tokenizer, fact.question), _encode(tokenizer, f" {fact.value}"),
-                _encode(tokenizer, KINDS[fact.kind].after)) for fact in drawn]
+    asks = [(_encode(tokenizer, fact.question), _encode(tokenizer, f" {fact.value}"),
+             _encode(tokenizer, KINDS[fact.kind].after)) for fact in drawn]  # (question, value, after)
 
     def overhead(k: int) -> int:
         """Tokens of the first `k` facts and of their longest half's questions and answers."""
-        asked = sorted(sum(map(len, answer)) for answer in answers[:k])[-math.ceil(k / 2):]
+        asked = sorted(sum(map(len, ask)) for ask in asks[:k])[-math.ceil(k / 2):]
         return sum(map(len, statements[:k])) + sum(asked)
 
     most = seq_len - math.ceil(MIN_TEXT * seq_len)
@@ -141,7 +141,7 @@ def retrieval_sequence(tokenizer, text: list[int], rng: random.Random) -> Retrie
         raise DataError(f"a {seq_len}-token training sequence has no room for a fact and its question "
                         f"({overhead(1)} tokens, at most {most}); use longer sequences or --retrieval-share 0")
     asked = rng.sample(range(k), math.ceil(k / 2))
-    room = seq_len - sum(map(len, statements[:k])) - sum(sum(map(len, answers[i])) for i in asked)
+    room = seq_len - sum(map(len, statements[:k])) - sum(sum(map(len, asks[i])) for i in asked)
     text = text[:room]
     ends = [i + 1 for i, piece in enumerate(tokenizer.batch_decode([[t] for t in text]))
             if piece.rstrip().endswith((".", "!", "?"))]
@@ -158,7 +158,7 @@ def retrieval_sequence(tokenizer, text: list[int], rng: random.Random) -> Retrie
     ids += text[previous:]
     marked, question_starts = [False] * len(ids), []
     for i in asked:
-        question, value, after = answers[i]
+        question, value, after = asks[i]
         question_starts.append(len(ids))
         ids += question + value + after
         marked += [False] * len(question) + [True] * len(value) + [False] * len(after)
