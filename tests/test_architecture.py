@@ -22,7 +22,7 @@ PACKAGE = ROOT / "src" / "recurformer"
 # Bottom to top. A module may import modules of its own layer or of lower ones, never of a
 # higher one. Layer 0 holds the leaves that anything may use.
 LAYERS: dict[str, int] = {
-    "errors": 0, "config": 0, "files": 0, "data": 0, "dataset_ids": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
+    "errors": 0, "config": 0, "files": 0, "data": 0, "retrieval_mix": 0, "dataset_ids": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
     "ops": 1,
     "mixers": 2,
     "attention": 3, "attention_hook": 3, "cache": 3,

@@ -2,6 +2,7 @@
 the step-time probe, the report, and `recurformer generate`."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from tiny_models import save_tiny_model, spec_for, tiny_model
 from recurformer import retrieval_probe
 from recurformer.cli import main
 from recurformer.config import ConfigError
-from recurformer.data import DataError
+from recurformer.data import DataError, load_documents, token_sequences
 from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
 from recurformer.mixers import MixerConfig, resolve_for_model
@@ -52,6 +53,9 @@ def texts(tmp_path):
         (dict(mixer="mamba", window=128), ConfigError, "--window applies to --mixer window"),
         (dict(mixer="window", ssd_state=16), ConfigError, "--ssd-state applies to --mixer mamba2"),
         (dict(ssd_state=0), ConfigError, "ssd_state must be 'auto', 'head_dim' or a positive integer, got 0"),
+        (dict(retrieval_share=1.5), ConfigError, r"--retrieval-share must be in \[0, 1\], got 1.5"),
+        (dict(retrieval_share=-0.1), ConfigError, r"--retrieval-share must be in \[0, 1\], got -0.1"),
+        (dict(retrieval_share=float("nan")), ConfigError, r"--retrieval-share must be in \[0, 1\], got nan"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -442,3 +446,51 @@ def test_the_bench_names_the_final_model_by_its_role_not_its_path(texts, tmp_pat
     monkeypatch.setattr(Run, "original", "the original")
     dict((name, stage) for name, stage, _ in STAGES)["bench"](run)
     assert seen == {"final": "model final"}
+
+
+def test_a_retrieval_share_replaces_that_share_of_the_training_sequences_and_none_by_default(tmp_path):
+    train, held_out = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("the quick brown fox jumps over the lazy dog . " * 400)
+    held_out.write_text("a recurrent state has a fixed size . " * 50)
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    plain = Run(RunConfig(model=model, data=[str(train)], eval_data=[str(held_out)]), tmp_path / "a")
+    expected = token_sequences(plain.tokenizer, load_documents([str(train)]), plain.recipe.sequence_length, seed=0)
+    assert plain.config.retrieval_share == 0.0 and torch.equal(plain.train_sequences, expected)
+    mixed = Run(RunConfig(model=model, data=[str(train)], eval_data=[str(held_out)], retrieval_share=0.5),
+                tmp_path / "b").train_sequences
+    replaced = [i for i in range(len(expected)) if not torch.equal(mixed[i], expected[i])]
+    assert mixed.shape == expected.shape and len(replaced) == round(0.5 * len(expected))
+
+
+def test_a_run_json_without_the_retrieval_share_is_a_run_at_its_default(texts, tmp_path):
+    """run.json written before --retrieval-share existed: the same run at the default, another at 0.5."""
+    train, held_out = texts
+    Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=False)
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())
+    del saved["config"]["retrieval_share"]
+    (tmp_path / "run" / "run.json").write_text(json.dumps(saved))
+    Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=False)
+    with pytest.raises(ConfigError, match=r"different configuration \(retrieval_share: 0.0 there, 0.5 here\)"):
+        Run(RunConfig(data=train, eval_data=held_out, retrieval_share=0.5), tmp_path / "run").claim(force=False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quick", "--retrieval-share", "1.5"], r"--retrieval-share must be in \[0, 1\], got 1.5"),
+    (["--quick", "--retrieval-share", "0.5"], r"a 96-token training sequence has no room for a fact and its question"),
+    (["--retrieval-share", "0.5"], r"seq_len 1024 is longer than the model allows \(512 positions\)"),
+])
+def test_bad_retrieval_input_is_one_line_and_leaves_nothing(texts, tmp_path, capsys, flags, message):
+    """A share outside [0, 1]; training sequences (run --quick's 96 tokens, of a tokenizer of
+    about a token a character) too short for a fact and its question; training sequences (the
+    full recipe's 1,024 tokens) longer than the tiny model's positions."""
+    train, held_out = texts
+    out, ood = tmp_path / "run", tmp_path / "ood.txt"
+    ood.write_text("another domain , other words . " * 60)
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    capsys.readouterr()
+    code = main(["run", model, "--data", *train, "--eval-data", *held_out, "--ood-data", str(ood), "--out", str(out),
+                 *flags])
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").split("\n")[-1]  # after the progress bar, if the run began
+    assert code == 2 and "Traceback" not in err and last.startswith("recurformer: error: ") and re.search(message, last)
+    assert not out.exists()

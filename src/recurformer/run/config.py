@@ -67,6 +67,8 @@ class RunConfig:
     lr: tuple[float, float] | None = option(None, "learning rates of the two stages (default: the mixer's "
                                             "recipe, docs/training.md)", metavar="TRANSFER,LM",
                                             parse=_pair(float, "learning rates", "5e-3,1e-3"))
+    retrieval_share: float = option(0.0, "the share of training sequences that carry facts and questions "
+                                    "(docs/training.md, \"Retrieval in the training data\")")
     quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
     seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
 
@@ -95,6 +97,8 @@ class RunConfig:
             require(len(self.lr) == 2 and all(0 < x < 1 for x in self.lr),
                     f"--lr must be two learning rates in (0, 1) TRANSFER,LM, got {self.lr}")
             self.lr = tuple(self.lr)
+        require(isinstance(self.retrieval_share, (int, float)) and 0 <= self.retrieval_share <= 1,
+                f"--retrieval-share must be in [0, 1], got {self.retrieval_share}")
         for path in [*self.data, *self.eval_data, *self.ood_data]:
             if not Path(path).is_file():
                 raise not_found(path)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from ..checks import read_json_object
@@ -20,6 +21,7 @@ from ..errors import RecurformerError
 from ..files import write_json_atomic
 from ..metrics import MODELS
 from ..outputs import Claim, check_output, claim_folder, size_of
+from .config import RunConfig
 
 RUN_SCHEMA = "recurformer-run/2"
 
@@ -73,7 +75,8 @@ class RunLayout:
         return claim
 
     def _check_or_write_settings(self, config: dict) -> None:
-        """Write run.json, or check that the one there is of this schema and configuration."""
+        """Write run.json, or check that the one there is of this schema and configuration; a
+        field it lacks (added to `RunConfig` since it was written) counts as its default."""
         out = self.root
         if not self.settings.is_file():
             write_json_atomic(self.settings, {"schema": RUN_SCHEMA, "config": config})
@@ -84,13 +87,21 @@ class RunLayout:
                               "start it over with --force, or use another --out")
         if not isinstance(saved.get("config"), dict):
             raise ConfigError(f"run settings {self.settings}: has no config; start the run over with --force")
-        changed = [k for k in config if saved["config"].get(k) != config[k]]
+        there = {**_defaults(), **saved["config"]}
+        changed = [k for k in config if there.get(k) != config[k]]
         if changed:
             key = changed[0]
             raise ConfigError(
                 f"output directory {out} belongs to a different configuration "
-                f"({key}: {saved['config'].get(key)!r} there, {config[key]!r} here); use another --out or --force"
+                f"({key}: {there.get(key)!r} there, {config[key]!r} here); use another --out or --force"
             )
+
+
+def _defaults() -> dict:
+    """The plain defaults of `RunConfig`'s fields. [ours] A field added to `RunConfig` takes as
+    its default what runs did before it (`retrieval_share` 0.0: no retrieval sequences), so a
+    run.json without it stays valid for a run at the default."""
+    return {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
 
 
 def _run_settings(path: Path) -> dict | None:

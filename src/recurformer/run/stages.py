@@ -1,7 +1,8 @@
 """The stages of `recurformer run`, in order, and the `Run` they share.
 
 1. `resolve`   the model (fetched once into the local cache if it is a known name), and the
-               checks that need it: its architecture, the window, the evaluation texts' length
+               checks that need it: its architecture, the window, the training sequences'
+               length, the evaluation texts' length, the retrieval mix (made here)
 2. `analyze`   head statistics and scores on the training text -> scores.json, heads.png
 3. `convert`   replace the top-beta KV groups -> converted/
 4. `plan`      time one step of each training stage and turn the budget into step counts
@@ -39,7 +40,7 @@ from ..attention import check_window_fits
 from ..bench import against_original
 from ..checks import check_model_folder, require_finite
 from ..config import check_replaces_some
-from ..data import Corpus, DataError, count_tokens, load_documents, token_sequences
+from ..data import Corpus, DataError, check_length, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
 from ..evaluate import TASKS, RunSettings, Task
 from ..files import write_json_atomic, write_text_atomic
@@ -52,6 +53,7 @@ from ..model_card import write_model_card
 from ..modeling import check_architecture
 from ..outputs import Claim
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
+from ..retrieval_mix import mix_retrieval
 from ..scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
 from ..surgery import convert, parameter_report
 from ..train import CHECKPOINT, TrainConfig, has_checkpoint, objective_for, seconds_per_step, train_stage
@@ -133,8 +135,11 @@ class Run:
 
     @cached_property
     def train_sequences(self) -> Tensor:
-        """`[N, seq_len]` training sequences of the recipe's length, shuffled with the run's seed."""
-        return token_sequences(self.tokenizer, self.train_documents, self.recipe.sequence_length, seed=self.config.seed)
+        """`[N, seq_len]` training sequences of the recipe's length, shuffled with the run's seed;
+        `retrieval_share` of them, chosen with the seed, carry facts and questions (`retrieval_mix`)."""
+        sequences = token_sequences(self.tokenizer, self.train_documents, self.recipe.sequence_length,
+                                    seed=self.config.seed)
+        return mix_retrieval(self.tokenizer, sequences, self.config.retrieval_share, self.config.seed)[0]
 
     def model(self, name: str):
         """The converted model `name` (converted, transfer or final): the one the last stage
@@ -178,19 +183,23 @@ def evaluation_tokens(settings: RunSettings) -> int:
 
 
 def resolve(run: Run) -> dict:
-    """Fetch the model, and check before any long work that it takes the mixer and that the
-    evaluation texts are long enough."""
+    """Fetch the model, and check before any long work that it takes the mixer, that its
+    positions hold a training sequence, that the evaluation texts are long enough and, with a
+    retrieval share, that the training sequences hold their facts and questions (made now)."""
     directory = resolve_model(run.config.model)
     check_model_folder(directory)
     config = AutoConfig.from_pretrained(directory)
     check_architecture(config)
     check_window_fits(config, run.config.mixer_config())
     check_replaces_some(run.config.beta, config.num_hidden_layers * config.num_key_value_heads)
+    check_length(run.recipe.sequence_length, config)
     needed = evaluation_tokens(run.task_settings())
     for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
         tokens = count_tokens(run.tokenizer, load_documents(paths), limit=needed)
         if tokens < needed:
             raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
+    if run.config.retrieval_share > 0:
+        return {"directory": str(directory), "training_sequences": len(run.train_sequences)}
     return {"directory": str(directory)}
 
 
