@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(PROBLEMS))
     parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer makes the ids")
     parser.add_argument("--context", type=int, default=4096, help="tokens of each context")
-    parser.add_argument("--contexts", type=int, default=24)
+    parser.add_argument("--contexts", type=int, default=40)
     parser.add_argument("--needles", type=int, default=NEEDLES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--format", default=BEST_FORMAT, choices=FORMATS)

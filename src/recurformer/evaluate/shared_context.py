@@ -152,7 +152,7 @@ class SharedContextOptions:
     data: list[str] = option(help="real text for the contexts (.txt or .jsonl; held-out: never trained on)",
                              metavar="FILE", factory=lambda: shared_corpora(HAYSTACK_CORPORA))
     context: int = option(4096, "tokens of each context (the questions come after it)")
-    contexts: int = option(24, "contexts, each prefilled once")
+    contexts: int = option(40, "contexts, each prefilled once (40: a headline interval of about +/- 4 points)")
     needles: int = option(NEEDLES, "facts in each context")
     questions: int | None = option(None, "facts asked per context (default: every one)")
     seed: int = option(0, "seeds the facts, their places and the text windows")
