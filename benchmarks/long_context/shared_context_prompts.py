@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from recurformer.evaluate.shared_context import answer_contexts, digest, shared_problems, summarize
+from recurformer.evaluate.ruler import digest
+from recurformer.evaluate.shared_context import answer_contexts, shared_problems, summarize
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.loading import load_model
 from recurformer.tasks.shared_context import FORMATS

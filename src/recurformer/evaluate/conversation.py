@@ -85,7 +85,7 @@ def ask(model, prefilled, context_length: int, questions: list[list[int]], later
     model.eval()
     out: dict[str, list[dict]] = {}
     for number, mode in enumerate(modes):
-        turns = [(q, g) for q, g in zip(questions, golds)] if mode == "multi-request" else \
+        turns = list(zip(questions, golds)) if mode == "multi-request" else \
             [(questions[0] if i == 0 else later[i], g) for i, g in enumerate(golds)]
         cache = prefilled if number == len(modes) - 1 else copy.deepcopy(prefilled)
         position, pending, records = context_length, [], []
@@ -97,15 +97,14 @@ def ask(model, prefilled, context_length: int, questions: list[list[int]], later
             if all(record["argmax"]):
                 answer, left = greedy(model, forced, position + len(prompt) + len(gold), [], most, eos, cache_key,
                                       stop, answer=gold, token=record["next"])
-                fed, after = forced, prompt + answer
+                fed = forced
             else:
                 fed = cache if mode == "multi-turn" else copy.deepcopy(cache)
                 answer, left = greedy(model, fed, position, prompt, most, eos, cache_key, stop)
-                after = prompt + answer
             record["answer"] = answer
             records.append(record)
             if mode == "multi-turn":
                 cache, pending = fed, left
-                position += len(after) - len(left)
+                position += len(prompt) + len(answer) - len(left)
         out[mode] = records
     return out

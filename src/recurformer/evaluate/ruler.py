@@ -47,8 +47,9 @@ def problem_ids(tokenizer, problem: RulerProblem) -> tuple[list[int], list[int]]
     return tokenizer.encode(problem.context), tokenizer.encode(problem.question, add_special_tokens=False)
 
 
-def digest(problems: list[RulerProblem]) -> str:
-    """A short fingerprint of a problem set: results on different sets are not compared."""
+def digest(problems: list) -> str:
+    """A short fingerprint of a problem set (dataclasses: RULER problems, shared contexts):
+    results on different sets are not compared."""
     return hashlib.sha256(json.dumps([asdict(p) for p in problems]).encode()).hexdigest()[:16]
 
 

@@ -11,9 +11,7 @@ resamples whole contexts (`evaluate/bootstrap.py`).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +24,7 @@ from ..tasks.shared_context import FORMATS, KINDS, SharedContext, generate_share
 from .bootstrap import interval
 from .conversation import EXTRA_TOKENS, MODES, ask
 from .registry import Task, register
-from .ruler import eos_ids
+from .ruler import digest, eos_ids
 
 HAYSTACK_CORPORA = ("wikitext-2-raw-test.txt",)  # held-out text: never trained on
 BEST_FORMAT = "plain"  # docs/results/shared-context-prompts.md
@@ -64,11 +62,6 @@ def context_ids(tokenizer, problem: SharedContext) -> ContextIds:
 def conversation_length(ids: ContextIds) -> int:
     """Positions a multi-turn conversation may reach: the context, every turn, the longest answers."""
     return len(ids.context) + sum(len(q) + len(g) + EXTRA_TOKENS for q, g in zip(ids.later, ids.golds))
-
-
-def digest(problems: list[SharedContext]) -> str:
-    """A short fingerprint of a problem set: results on different sets are not compared."""
-    return hashlib.sha256(json.dumps([asdict(p) for p in problems]).encode()).hexdigest()[:16]
 
 
 def ends_answer(tokenizer):
