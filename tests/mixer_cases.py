@@ -12,9 +12,9 @@ HEADS = HeadShape(num_q_heads=4, num_kv_heads=2, head_dim=8)
 # Windows shorter than the test sequences, so that the ring buffer wraps.
 CONFIGS = {
     "mamba-naive": MixerConfig(kind="mamba", d_state=8, scan_backend="naive"),
-    "mamba-chunked": MixerConfig(kind="mamba", d_state=8, scan_backend="chunked"),
+    "mamba-torch": MixerConfig(kind="mamba", d_state=8, scan_backend="torch"),
     "mamba2-naive": MixerConfig(kind="mamba2", scan_backend="naive"),
-    "mamba2-chunked": MixerConfig(kind="mamba2", ssd_chunk=8, scan_backend="chunked"),
+    "mamba2-torch": MixerConfig(kind="mamba2", ssd_chunk=8, scan_backend="torch"),
     "mamba2-gate-only": MixerConfig(kind="mamba2", ssd_state=5, ssd_norm=False, ssd_chunk=8),
     "window": MixerConfig(kind="window", window=6, sinks=2),
     "window-no-sinks": MixerConfig(kind="window", window=5, sinks=0),

@@ -294,7 +294,7 @@ def test_cache_bytes_count_each_tensors_own_element_size(mixer):
     assert cache.nbytes()["kv"] == sum(2 * layer.keys.numel() * 2 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("backend", ["naive", "chunked"])
+@pytest.mark.parametrize("backend", ["naive", "torch"])
 def test_the_selective_scan_computes_in_fp32_when_fed_bf16(backend):
     b, t, d, n = 2, 63, 6, 4
     g = torch.Generator().manual_seed(0)
@@ -309,7 +309,7 @@ def test_the_selective_scan_computes_in_fp32_when_fed_bf16(backend):
     assert torch.equal(y, y32.bfloat16()) and torch.equal(state, state32)
 
 
-@pytest.mark.parametrize("backend", ["naive", "chunked"])
+@pytest.mark.parametrize("backend", ["naive", "torch"])
 def test_the_ssd_scan_computes_in_fp32_when_fed_bf16(backend):
     b, t, h, p, n = 2, 63, 4, 3, 5
     g = torch.Generator().manual_seed(0)

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 from .cache import HybridCache
 from .config import ConfigError
 from .mixers import HeadShape, MixerConfig, build_mixer, resolve_for_model
-from .ops import kernels
+from .ops.backends import pick_backend
 from .ops.attention_step import AttentionStepKernel, AttentionWeights
 from .ops.module_kernels import KernelsByModule, records_gradients
 
@@ -190,7 +190,8 @@ class HybridAttention(nn.Module):
         kernel = _decode_kernels.get(self, dtype)
         if kernel is None:
             projections = [self.q_proj, self.k_proj, self.v_proj]
-            if not kernels.usable(hidden_states) or any(p.dtype != dtype for m in projections for p in m.parameters()):
+            fits = all(p.dtype == dtype for m in projections for p in m.parameters())
+            if pick_backend("attention step", "auto", hidden_states, fits=fits) != "compiled":
                 return None
             kernel = AttentionStepKernel(AttentionWeights(
                 self.q_proj.weight, self.q_proj.bias, self.k_proj.weight, self.k_proj.bias, self.v_proj.weight,

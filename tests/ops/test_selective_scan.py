@@ -109,7 +109,7 @@ def test_bad_chunk_size_is_rejected():
         selective_scan_chunked(**make_inputs(8, 4, 2), chunk_size=0)
 
 
-@pytest.mark.parametrize("backend", ["naive", "chunked", "compiled", "auto"])
+@pytest.mark.parametrize("backend", ["naive", "torch", "compiled", "auto"])
 def test_dispatcher_runs_cpu_backends(backend, request):
     if backend == "compiled":
         request.getfixturevalue("compiled")
@@ -119,7 +119,7 @@ def test_dispatcher_runs_cpu_backends(backend, request):
 
 
 def test_dispatcher_rejects_unknown_backend():
-    with pytest.raises(ValueError, match="unknown scan backend 'triton'"):
+    with pytest.raises(ValueError, match="unknown selective scan backend 'triton'"):
         selective_scan(**make_inputs(4, 4, 2), backend="triton")
 
 

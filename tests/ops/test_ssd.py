@@ -127,7 +127,7 @@ def test_heads_not_divisible_by_groups_are_rejected():
         ssd_chunked(**make_inputs(8, groups=3))
 
 
-@pytest.mark.parametrize("backend", ["naive", "chunked", "compiled", "auto"])
+@pytest.mark.parametrize("backend", ["naive", "torch", "compiled", "auto"])
 def test_dispatcher_runs_cpu_backends(backend, request):
     if backend == "compiled":
         request.getfixturevalue("compiled")
@@ -137,7 +137,7 @@ def test_dispatcher_runs_cpu_backends(backend, request):
 
 
 def test_dispatcher_rejects_unknown_backend():
-    with pytest.raises(ValueError, match="unknown scan backend 'triton'"):
+    with pytest.raises(ValueError, match="unknown ssd backend 'triton'"):
         ssd(**make_inputs(4), backend="triton")
 
 

@@ -103,7 +103,7 @@ def test_auto_picks_compiled_when_built(compiled):
     assert torch.equal(y, mamba_step_compiled(tokens[0], conv.clone(), ssm.clone(), **weights))
 
 
-@pytest.mark.parametrize("backend", ["auto", "naive", "chunked"])
+@pytest.mark.parametrize("backend", ["auto", "naive", "torch"])
 def test_torch_step_for_a_bf16_state_or_a_torch_backend(backend):
     """A bf16 SSM state is not a kernel layout: auto takes the PyTorch step, as do the
     scan backends other than `compiled`."""

@@ -222,7 +222,7 @@ def test_auto_runs_the_torch_path_when_kernels_are_off(monkeypatch):
 
 
 def test_dispatcher_rejects_unknown_backend():
-    with pytest.raises(ValueError, match="unknown window attention backend 'fast'; choose one of auto, naive, torch, compiled"):
+    with pytest.raises(ValueError, match="unknown window attention backend 'fast'; choose one of auto, naive, torch, compiled, cuda"):
         window_attention(*make_inputs(4), 2, 0, backend="fast")
 
 

@@ -13,11 +13,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ..config import ConfigError, option, require
+from ..ops.backends import BACKENDS, canonical
 
 MIXER_KINDS: list[str] = []  # filled as each mixer kind registers (base.register_mixer)
 # field -> the kinds that read it, filled from each kind's `Mixer.reads` as it registers
 FIELD_READERS: dict[str, list[str]] = {}
-SCAN_BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
+SCAN_BACKENDS = BACKENDS  # the names of ops/backends.py
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -93,7 +94,7 @@ class MixerConfig:
     dt_init_floor: float = 1e-4
     conv_bias: bool = True  # mamba, mamba2
     proj_bias: bool = False  # mamba, mamba2: biases on in_proj and out_proj
-    scan_backend: str = "auto"  # mamba, mamba2
+    scan_backend: str = "auto"  # every kind: which kernels run it (ops/backends.py)
     ssd_state: int | str = option(AUTO, "mamba2 kinds: state size N per head (an integer, head_dim, or auto: "
                                   "head_dim for mamba2, head_dim / 4 for window+mamba2)", parse=parse_ssd_state,
                                   metavar="N")
@@ -116,6 +117,7 @@ class MixerConfig:
         )
         require(0 < self.dt_min <= self.dt_max, f"need 0 < dt_min <= dt_max, got dt_min={self.dt_min!r}, dt_max={self.dt_max!r}")
         require(self.dt_init_floor > 0, f"dt_init_floor must be > 0, got {self.dt_init_floor!r}")
+        self.scan_backend = canonical(self.scan_backend)
         require(self.scan_backend in SCAN_BACKENDS, f"scan_backend: unknown {self.scan_backend!r}; choose one of {', '.join(SCAN_BACKENDS)}")
         require(
             self.ssd_state in ("head_dim", AUTO) or _is_int(self.ssd_state, 1),

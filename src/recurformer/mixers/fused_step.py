@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..ops import kernels
+from ..ops.backends import canonical, pick_backend
 from ..ops.module_kernels import KernelsByModule, records_gradients
 from ..ops.window_step import WindowStepKernel
 from .base import Mixer, PositionEmbeddings
@@ -25,7 +26,7 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
     suit them (CPU, fp32 or bf16 activations, every parameter in their dtype, an fp32
     `state_dtype` where the kind keeps a state). `compiled` with unsuitable tensors raises
     a one-line error."""
-    backend = mixer.config.scan_backend
+    backend = canonical(mixer.config.scan_backend)
     if (backend != "auto" and backend != "compiled") or records_gradients(mixer, x):
         return None
     kernel = _kernels.get(mixer, x.dtype)
@@ -33,10 +34,10 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
         return kernel
     parameters = list(mixer.parameters())
     fp32_state = not mixer.config.reads("state_dtype") or mixer.config.state_dtype == "float32"
-    suitable = kernels.usable(x) and fp32_state and all(p.dtype == x.dtype for p in parameters)
-    if backend == "auto" and not suitable:
-        return None
-    if not suitable:
+    fits = fp32_state and all(p.dtype == x.dtype for p in parameters)
+    if pick_backend(f"{mixer.kind} step", "auto", x, fits=fits) != "compiled":
+        if backend == "auto":
+            return None
         kernels.require(f"{mixer.kind} step")
         raise TypeError(f"{mixer.kind} step: the compiled step needs CPU float32 or bfloat16 activations, parameters "
                         f"of their dtype and state_dtype float32; got {x.dtype} activations on {x.device}, state_dtype "

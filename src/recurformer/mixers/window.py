@@ -36,7 +36,7 @@ class WindowMixer(Mixer):
     """Sliding-window softmax attention `[B, T, d_in] -> [B, T, H * D]` with a ring-buffer
     state of `sinks + window` tokens."""
 
-    reads = frozenset({"window", "sinks", "scan_backend"})  # scan_backend: whether a decode step may be compiled
+    reads = frozenset({"window", "sinks", "scan_backend"})  # scan_backend: the attention's and the decode step's
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
@@ -127,7 +127,8 @@ class WindowMixer(Mixer):
         batch, length = x.shape[:2]
         q, k, v = self._project_tokens(x, position_embeddings)
         past = None if state is None else (state["keys"], state["values"], state["index"])
-        out = window_attention(q, k, v, self.window, self.sinks, self.scaling, attention_mask, past)
+        out = window_attention(q, k, v, self.window, self.sinks, self.scaling, attention_mask, past,
+                               backend=self.config.scan_backend)
         if state is not None:
             self._remember(k, v, attention_mask, state)
         return out.reshape(batch, length, self.d_out)

@@ -5,6 +5,12 @@ The kernels are plain C++ (no PyTorch headers), so a build takes seconds and nee
 C++ compiler with OpenMP (`g++`, or `$CXX`). Python checks every argument, allocates every
 output and passes raw pointers; the C++ code trusts them.
 
+The interface is declared once, in C++. Every source file in `csrc/` is built; each lists its
+exported functions and structs (`csrc/abi.h`), and the library describes them (`rf_abi`):
+the loader takes each function's ctypes signature from that description, `run` checks a
+call's argument count against it, and `require` checks a ctypes struct mirror's size
+against the C++ struct's.
+
 Build and cache. The shared library goes to `$RECURFORMER_CACHE/kernels/<key>/` (default
 `~/.cache/recurformer`), where `<key>` hashes the sources, the compiler's identity, the
 flags and this CPU's feature flags (the build uses `-march=native`, so a build is only
@@ -43,34 +49,43 @@ from ..files import atomic_directory
 ENV = "RECURFORMER_KERNELS"
 CACHE_ENV = "RECURFORMER_CACHE"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("common.h", "selective_scan.cpp", "ssd.cpp", "step.cpp", "window_attention.cpp")
-SOURCES += ("step.h", "decode.h", "window_step.cpp", "attention_step.cpp")  # the fused decode steps (docs/method.md)
+SOURCES = tuple(sorted(p.name for p in SOURCE_DIR.iterdir() if p.suffix in (".h", ".cpp")))  # all of csrc/
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")  # compile and link
 LINK_FLAGS = ("-shared",)
 LIBRARY = "librecurformer_kernels.so"
 MANIFEST = "build.json"
 BUILD_TIMEOUT_S = 600
 
-_ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# name: (argument types, result type) of every exported function
-_SIGNATURES = {
-    "rf_selective_scan_checkpoint_floats": ([_i64] * 2, _i64),
-    "rf_selective_scan_forward": ([_int] + [_ptr] * 11 + [_i64] * 5 + [_int], _int),
-    "rf_selective_scan_backward": ([_int] + [_ptr] * 18 + [_i64] * 5 + [_int], _int),
-    "rf_ssd_checkpoint_floats": ([_i64] * 3, _i64),
-    "rf_ssd_forward": ([_int] + [_ptr] * 10 + [_i64] * 8 + [_int], _int),
-    "rf_ssd_backward": ([_int] + [_ptr] * 16 + [_i64] * 8 + [_int], _int),
-    "rf_mamba_step": ([_int] + [_ptr] * 11 + [_i64] * 5 + [_int], _int),
-    "rf_mamba2_step": ([_int] + [_ptr] * 9 + [ctypes.c_float, _ptr] + [_i64] * 6 + [_int], _int),
-    "rf_window_forward": ([_int] + [_ptr] * 9 + [_i64] * 8 + [ctypes.c_float, _int], _int),
-    "rf_window_backward": ([_int] + [_ptr] * 15 + [_i64] * 8 + [ctypes.c_float, _int], _int),
-}
-_SIGNATURES["rf_window_step"] = ([_ptr] * 12 + [_i64] * 2 + [_int], _int)  # the fused decode steps
-_SIGNATURES["rf_attention_step"] = ([_ptr] * 8 + [_i64] * 4 + [_int], _int)
+# the one-letter type codes of `ops/csrc/abi.h`
+CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_int64, "f": ctypes.c_float, "d": ctypes.c_double}
 
 
 class BuildError(RuntimeError):
     """The kernels could not be built or loaded; the message is one line."""
+
+
+class Library(ctypes.CDLL):
+    """The loaded kernels: every exported function with the ctypes signature the library
+    describes (`rf_abi`, `ops/csrc/abi.h`), and `struct_sizes`, the bytes of each struct
+    it exports, which the ctypes mirrors are checked against (`require`)."""
+
+    struct_sizes: dict[str, int]
+
+    def describe_exports(self) -> None:
+        """Read `rf_abi()` and set each function's argtypes and restype from it. Raises
+        ValueError for a description it cannot read (an incomplete or foreign build)."""
+        self.rf_abi.argtypes, self.rf_abi.restype = [], ctypes.c_char_p
+        self.struct_sizes = {}
+        for line in self.rf_abi().decode().splitlines():
+            what, name, description = line.split(" ")
+            if what == "struct":
+                self.struct_sizes[name] = int(description)
+            elif what == "function":
+                result, _, arguments = description.partition(":")
+                function = getattr(self, name)
+                function.restype, function.argtypes = CTYPES[result], [CTYPES[code] for code in arguments]
+            else:
+                raise ValueError(f"rf_abi: unknown export {what!r}")
 
 
 def mode() -> str:
@@ -81,7 +96,7 @@ def mode() -> str:
     return value
 
 
-def library() -> ctypes.CDLL | None:
+def library() -> Library | None:
     """The loaded kernels, built first if needed; None (after a one-line notice) when they
     cannot be built, or when `RECURFORMER_KERNELS=torch`. Cached for the process."""
     return _loaded()[0]
@@ -93,7 +108,7 @@ def unavailable_reason() -> str:
 
 
 @functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str]:
+def _loaded() -> tuple[Library | None, str]:
     """(the library, "") or (None, why not); the notice is printed here, so once."""
     if mode() == "torch":
         return None, f"{ENV}=torch"
@@ -154,7 +169,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def load(root: Path) -> ctypes.CDLL:
+def load(root: Path) -> Library:
     """Load the build for this machine from `root`, building it first when it is missing
     or broken. Raises BuildError (one line) when that fails."""
     cxx = compiler()
@@ -177,18 +192,17 @@ def load(root: Path) -> ctypes.CDLL:
     return lib
 
 
-def _load_checked(folder: Path) -> ctypes.CDLL | None:
-    """The library in `folder` if it matches its manifest's checksum and loads, else None."""
+def _load_checked(folder: Path) -> Library | None:
+    """The library in `folder` if it matches its manifest's checksum, loads and describes
+    its exports, else None."""
     path = folder / LIBRARY
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         if manifest.get("sha256") != _sha256(path):
             return None
-        lib = ctypes.CDLL(str(path))
-        for name, (args, result) in _SIGNATURES.items():
-            function = getattr(lib, name)
-            function.argtypes, function.restype = args, result
-    except (OSError, ValueError, AttributeError):  # missing, unreadable, corrupt, or incomplete
+        lib = Library(str(path))
+        lib.describe_exports()
+    except (OSError, ValueError, KeyError, AttributeError):  # missing, unreadable, corrupt, or incomplete
         return None
     return lib
 
@@ -257,11 +271,19 @@ def usable(*tensors: Tensor | None) -> bool:
     return library() is not None
 
 
-def require(op: str) -> ctypes.CDLL:
-    """The loaded kernels, or a one-line RuntimeError saying why `op` cannot run them."""
+def require(op: str, *mirrors: type[ctypes.Structure]) -> Library:
+    """The loaded kernels, or a one-line RuntimeError saying why `op` cannot run them: they
+    are not built, or a ctypes struct of `mirrors` does not have the size of the C++
+    struct of its name."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"{op}: backend='compiled' is unavailable ({unavailable_reason()}); use the torch backends")
+    for mirror in mirrors:
+        size = lib.struct_sizes.get(mirror.__name__)
+        if size != ctypes.sizeof(mirror):
+            raise RuntimeError(f"{op}: the ctypes struct {mirror.__name__} has {ctypes.sizeof(mirror)} bytes, the "
+                               f"compiled kernels' {'has ' + str(size) if size else 'is not exported'}; its fields "
+                               "must mirror the C++ struct's")
     return lib
 
 
@@ -295,7 +317,10 @@ def prepare(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def run(op: str, function, *args) -> None:
-    """Call a kernel; its only failure (status 1) is running out of memory."""
+    """Call a kernel with exactly the arguments its C++ signature has; its only failure
+    (status 1) is running out of memory."""
+    if len(args) != len(function.argtypes):
+        raise TypeError(f"{op}: {function.__name__} takes {len(function.argtypes)} arguments, got {len(args)}")
     if function(*args) != 0:
         raise MemoryError(f"{op}: out of memory in the compiled kernel")
 

@@ -40,7 +40,7 @@ class AttentionStepKernel:
     tensors, so their addresses stay valid while it lives."""
 
     def __init__(self, weights: AttentionWeights, dtype: torch.dtype):
-        self.lib = kernels.require(OP)
+        self.lib = kernels.require(OP, AttentionStepWeights)
         if dtype is not torch.float32 and dtype is not torch.bfloat16:
             raise TypeError(f"{OP}: activations must be float32 or bfloat16, got {dtype}")
         heads, groups = weights.heads, weights.kv_heads

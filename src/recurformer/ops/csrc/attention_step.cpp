@@ -16,6 +16,7 @@
 //
 // Every "io" tensor (activations, cos and sin, cache buffers, weights, output) has one
 // dtype: bf16 when `bf16`, else fp32. The arithmetic is fp32.
+#include "abi.h"
 #include "common.h"
 #include "decode.h"
 
@@ -184,3 +185,6 @@ int rf_attention_step(const void* weights, const void* x, const void* cos, const
 }
 
 }  // extern "C"
+
+RF_EXPORT_FUNCTION(rf_attention_step)
+RF_EXPORT_STRUCT(AttentionStepWeights)

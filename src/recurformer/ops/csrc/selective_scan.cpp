@@ -13,6 +13,7 @@
 // Layouts (contiguous, row-major): u, delta, z, y, gy [B, T, D]; A [D, N]; B, C [B, T, N];
 // D [D]; states [B, D, N]. The states saved for the backward pass ("checkpoints") are kept
 // as the work items hold them: [B, ceil(T / chunk), ceil(D / 16), N, 16].
+#include "abi.h"
 #include "common.h"
 
 #include <algorithm>
@@ -242,3 +243,7 @@ int rf_selective_scan_backward(int bf16, const void* u, const void* delta, const
 }
 
 }  // extern "C"
+
+RF_EXPORT_FUNCTION(rf_selective_scan_checkpoint_floats)
+RF_EXPORT_FUNCTION(rf_selective_scan_forward)
+RF_EXPORT_FUNCTION(rf_selective_scan_backward)

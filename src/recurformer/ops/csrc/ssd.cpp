@@ -15,6 +15,7 @@
 // C [B, T, G', N]; states [B, H, P, N]. The states saved for the backward pass
 // ("checkpoints") are kept as the work items hold them: [B, ceil(T / chunk), items per
 // batch row, N, 16 V].
+#include "abi.h"
 #include "common.h"
 
 #include <algorithm>
@@ -282,3 +283,7 @@ int rf_ssd_backward(int bf16, const void* x, const void* dt, const float* A, con
 }
 
 }  // extern "C"
+
+RF_EXPORT_FUNCTION(rf_ssd_checkpoint_floats)
+RF_EXPORT_FUNCTION(rf_ssd_forward)
+RF_EXPORT_FUNCTION(rf_ssd_backward)

@@ -9,6 +9,7 @@
 //
 // Every "io" tensor of a call (activations, conv state, weights, output) has one dtype:
 // bf16 when `bf16`, else fp32.
+#include "abi.h"
 #include "common.h"
 #include "step.h"
 
@@ -230,3 +231,6 @@ int rf_mamba2_step(int bf16, const void* zxbcdt, void* conv_state, float* ssm, c
 }
 
 }  // extern "C"
+
+RF_EXPORT_FUNCTION(rf_mamba_step)
+RF_EXPORT_FUNCTION(rf_mamba2_step)

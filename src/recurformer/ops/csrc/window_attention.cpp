@@ -27,6 +27,7 @@
 //
 // Layouts (contiguous): q, out, gout, dq [B, T, H, D]; k, v [B, T, G, D]; past keys and
 // values [B, S, G, D]; position [B, T] and past_index [B, S] (int64); lse [B, T, H] (fp32).
+#include "abi.h"
 #include "common.h"
 
 #include <algorithm>
@@ -504,3 +505,6 @@ int rf_window_backward(int bf16, const void* q, const void* k, const void* v, co
 }
 
 }  // extern "C"
+
+RF_EXPORT_FUNCTION(rf_window_forward)
+RF_EXPORT_FUNCTION(rf_window_backward)

@@ -19,6 +19,7 @@
 // Every "io" tensor (activations, cos and sin, keys and values, the conv state, weights,
 // output) has one dtype: bf16 when `bf16`, else fp32. The arithmetic is fp32; the SSM
 // state and the tail sums are fp32.
+#include "abi.h"
 #include "common.h"
 #include "decode.h"
 #include "step.h"
@@ -313,3 +314,6 @@ int rf_window_step(const void* weights, const void* x, const void* cos, const vo
 }
 
 }  // extern "C"
+
+RF_EXPORT_FUNCTION(rf_window_step)
+RF_EXPORT_STRUCT(WindowStepWeights)

@@ -1,23 +1,21 @@
 """Mamba-1 selective scan: one entry point, several backends with one signature.
 
-Backends: `naive` (fp32 loop, the oracle), `chunked` (fast CPU PyTorch, autograd),
-`compiled` (our C++ kernel, CPU, built on first use: `ops/kernels.py`), `cuda`
-(mamba-ssm's kernel, only when it imports and the tensors are on a GPU). `auto` picks
-`cuda` when usable, else `compiled` when it is built and takes the tensors (CPU, fp32 or
-bf16), else `chunked`.
+Backends (`ops/backends.py`): `naive` (fp32 loop, the oracle), `torch` (the chunked
+scan, fast CPU PyTorch, autograd), `compiled` (our C++ kernel, CPU, built on first use:
+`ops/kernels.py`), `cuda` (mamba-ssm's kernel, only when it imports and the tensors are on
+a GPU). `auto` picks `cuda` when usable, else `compiled` when it is built and takes the
+tensors (CPU, fp32 or bf16), else `torch`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .. import kernels
+from ..backends import BACKENDS, pick_backend
 from .chunked import selective_scan_chunked
 from .compiled import selective_scan_compiled
 from .cuda import cuda_available, selective_scan_cuda
 from .naive import selective_scan_naive
-
-BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 
 
 def selective_scan(
@@ -33,18 +31,11 @@ def selective_scan(
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Selective scan with shapes as in `selective_scan_naive`; `backend` picks the kernel."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown scan backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        if u.is_cuda and initial_state is None and cuda_available():
-            backend = "cuda"
-        elif kernels.usable(u, delta, A, B, C, D, z, initial_state):
-            backend = "compiled"
-        else:
-            backend = "chunked"
+    backend = pick_backend("selective scan", backend, u, delta, A, B, C, D, z, initial_state,
+                           cuda=u.is_cuda and initial_state is None and cuda_available())
     kernel = {
         "naive": selective_scan_naive,
-        "chunked": selective_scan_chunked,
+        "torch": selective_scan_chunked,
         "compiled": selective_scan_compiled,
         "cuda": selective_scan_cuda,
     }[backend]

@@ -48,13 +48,13 @@ def selective_scan_cuda(
     if initial_state is not None:
         raise NotImplementedError(
             "the cuda selective scan (mamba-ssm) cannot start from an initial_state; "
-            "use backend='chunked' or 'naive'"
+            "use backend='torch' or 'naive'"
         )
     kernel = _kernel()
     if kernel is None or not torch.cuda.is_available():
         raise RuntimeError(
             "backend='cuda' needs a CUDA device and mamba-ssm "
-            "(pip install 'recurformer[cuda]'); use backend='chunked' on CPU"
+            "(pip install 'recurformer[cuda]'); use backend='torch' on CPU"
         )
     if not u.is_cuda:
         raise RuntimeError(f"backend='cuda' needs tensors on a GPU, got u on {u.device}")

@@ -1,23 +1,21 @@
 """Mamba-2 SSD scan: one entry point, several backends with one signature.
 
-Backends: `naive` (fp32 loop, the oracle), `chunked` (matmul-based CPU PyTorch, autograd),
-`compiled` (our C++ kernel, CPU, built on first use: `ops/kernels.py`), `cuda` (mamba-ssm's
-kernel, only when it imports and the tensors are on a GPU). `auto` picks `cuda` when
-usable, else `compiled` when it is built and takes the tensors (CPU, fp32 or bf16), else
-`chunked`.
+Backends (`ops/backends.py`): `naive` (fp32 loop, the oracle), `torch` (the chunked,
+matmul-based PyTorch scan, autograd), `compiled` (our C++ kernel, CPU, built on first use:
+`ops/kernels.py`), `cuda` (mamba-ssm's kernel, only when it imports and the tensors are on
+a GPU). `auto` picks `cuda` when usable, else `compiled` when it is built and takes the
+tensors (CPU, fp32 or bf16), else `torch`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .. import kernels
+from ..backends import BACKENDS, pick_backend
 from .chunked import DEFAULT_CHUNK, ssd_chunked
 from .compiled import ssd_compiled
 from .cuda import cuda_available, ssd_cuda
 from .naive import per_head, ssd_naive
-
-BACKENDS = ("auto", "naive", "chunked", "compiled", "cuda")
 
 
 def ssd(
@@ -35,18 +33,10 @@ def ssd(
     """SSD with shapes as in `ssd_naive`; `backend` picks the kernel, `chunk_size` the
     chunk length of the chunked kernels (for `compiled`: the steps between the states it
     saves for the backward pass; the naive loop has none)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown scan backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        if x.is_cuda and cuda_available():
-            backend = "cuda"
-        elif kernels.usable(x, dt, A, B, C, D, initial_state):
-            backend = "compiled"
-        else:
-            backend = "chunked"
+    backend = pick_backend("ssd", backend, x, dt, A, B, C, D, initial_state, cuda=x.is_cuda and cuda_available())
     if backend == "naive":
         return ssd_naive(x, dt, A, B, C, D, initial_state, return_final_state)
-    kernel = {"chunked": ssd_chunked, "compiled": ssd_compiled, "cuda": ssd_cuda}[backend]
+    kernel = {"torch": ssd_chunked, "compiled": ssd_compiled, "cuda": ssd_cuda}[backend]
     return kernel(x, dt, A, B, C, D, initial_state, return_final_state, chunk_size=chunk_size)
 
 

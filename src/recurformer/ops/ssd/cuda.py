@@ -45,7 +45,7 @@ def ssd_cuda(
     if kernel is None or not torch.cuda.is_available():
         raise RuntimeError(
             "backend='cuda' needs a CUDA device and mamba-ssm "
-            "(pip install 'recurformer[cuda]'); use backend='chunked' on CPU"
+            "(pip install 'recurformer[cuda]'); use backend='torch' on CPU"
         )
     if not x.is_cuda:
         raise RuntimeError(f"backend='cuda' needs tensors on a GPU, got x on {x.device}")

@@ -2,7 +2,7 @@
 one token), with one signature per mixer and two backends: `naive` (PyTorch, the oracle,
 runs anywhere) and `compiled` (one C++ call, CPU). `auto` picks `compiled` when the
 kernels are built and the tensors suit them (CPU, fp32 / bf16, fp32 SSM state), else the
-PyTorch step; the scan backends `chunked` and `cuda` also take the PyTorch step.
+PyTorch step, which the backends `naive`, `torch` and `cuda` (`ops/backends.py`) also take.
 """
 
 from __future__ import annotations
@@ -10,20 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import kernels
+from ..backends import pick_backend
 from .compiled import mamba2_step_compiled, mamba_step_compiled
 from .naive import mamba2_step_naive, mamba_step_naive
 
 
 def _compiled(backend: str, activations: Tensor, conv_state: Tensor, ssm_state: Tensor, *weights) -> bool:
-    if backend == "compiled":
-        return True
-    return (
-        backend == "auto"
-        and ssm_state.dtype == torch.float32
-        and conv_state.dtype == activations.dtype
-        and kernels.usable(activations, conv_state, ssm_state, *weights)
-    )
+    fits = ssm_state.dtype == torch.float32 and conv_state.dtype == activations.dtype
+    return pick_backend("decode step", backend, activations, conv_state, ssm_state, *weights, fits=fits) == "compiled"
 
 
 def mamba_step(

@@ -1,22 +1,22 @@
 """Windowed softmax attention (the `window` mixers' and the ablation scorer's): one entry
 point, several backends with one signature.
 
-Backends: `naive` (one masked softmax over every key in fp32, the oracle), `torch` (SDPA
-in blocks of `window` queries, autograd), `compiled` (our C++ kernel with a hand-written
-backward pass, CPU, built on first use: `ops/kernels.py`). `auto` picks `compiled` when it
-is built and takes the tensors (CPU, fp32 or bf16), else `torch`.
+Backends (`ops/backends.py`): `naive` (one masked softmax over every key in fp32, the
+oracle), `torch` (SDPA in blocks of `window` queries, autograd), `compiled` (our C++ kernel
+with a hand-written backward pass, CPU, built on first use: `ops/kernels.py`), `cuda` (the
+`torch` blocks, whose SDPA runs the GPU's attention kernels). `auto` picks `cuda` for GPU
+tensors, else `compiled` when it is built and takes the tensors (CPU, fp32 or bf16), else
+`torch`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .. import kernels
+from ..backends import BACKENDS, pick_backend
 from .blockwise import window_attention_blockwise
 from .compiled import window_attention_compiled
 from .naive import Past, token_positions, visible, window_attention_naive
-
-BACKENDS = ("auto", "naive", "torch", "compiled")
 
 
 def window_attention(
@@ -33,12 +33,9 @@ def window_attention(
     """Windowed attention with shapes as in `window_attention_naive`: q `[B, T, H, D]`, k and
     v `[B, T, G, D]`, mask `[B, T]` or None, past (keys, values `[B, S, G, D]`, index
     `[B, S]`) or None -> `[B, T, H, D]`; `backend` picks the kernel."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown window attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        tensors = (q, k, v) if past is None else (q, k, v, past[0], past[1])
-        backend = "compiled" if kernels.usable(*tensors) else "torch"
-    kernel = {"naive": window_attention_naive, "torch": window_attention_blockwise,
+    tensors = (q, k, v) if past is None else (q, k, v, past[0], past[1])
+    backend = pick_backend("window attention", backend, *tensors, cuda=q.is_cuda)
+    kernel = {"naive": window_attention_naive, "torch": window_attention_blockwise, "cuda": window_attention_blockwise,
               "compiled": window_attention_compiled}[backend]
     return kernel(q, k, v, window, sinks, scale, mask, past)
 

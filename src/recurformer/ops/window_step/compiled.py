@@ -53,7 +53,7 @@ class WindowStepKernel:
     """
 
     def __init__(self, window: WindowWeights, tail: Tail, dtype: torch.dtype):
-        self.lib = kernels.require(OP)
+        self.lib = kernels.require(OP, WindowStepWeights)
         if dtype is not torch.float32 and dtype is not torch.bfloat16:
             raise TypeError(f"{OP}: activations must be float32 or bfloat16, got {dtype}")
         if type(tail) not in TAIL_CODES:
