@@ -16,7 +16,6 @@ replace the part of `--doc` between `<!-- ruler-tables:begin -->` and `<!-- rule
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from recurformer.tasks.passkey import parse_key
 from recurformer.tasks.ruler import score_ruler
 
 from benchmarks.common import RESULTS as ALL_RESULTS
+from benchmarks.peers.table import TableError, read_rows_file
 
 RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-ruler-rows/1"
@@ -39,20 +39,9 @@ KIND_NAMES = {"original": "original", "conversion": "our conversion (trained)", 
               "snapkv": "kvpress SnapKV", "kvzip": "kvpress KVzip", "tova": "kvpress TOVA", "knorm": "kvpress Knorm"}
 
 
-class TableError(RecurformerError):
-    """A results file is missing, malformed, or not comparable with the other."""
-
-
 def load(path: Path, what: str, schema: str = SCHEMA) -> dict:
-    if not path.is_file():
-        raise TableError(f"{what} file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise TableError(f"{what} file {path} is not valid JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("schema") != schema or not isinstance(data.get("rows"), dict):
-        raise TableError(f"{what} file {path} is not a {schema} file")
-    return data
+    """The contents of a rows file of `schema` (this table's by default)."""
+    return read_rows_file(path, what, schema)
 
 
 def split_budget(name: str) -> tuple[float, str]:

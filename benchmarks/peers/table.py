@@ -52,8 +52,9 @@ def check_row(path: Path, name: str, row) -> None:
         fail("has no passkey list of {context, answer, completion}")
 
 
-def load_rows(path: str | Path, what: str) -> dict:
-    """The checked contents of a rows file (`what` names it in errors: 'our rows', 'peer rows')."""
+def read_rows_file(path: str | Path, what: str, schema: str) -> dict:
+    """The contents of a results file of `schema` with a `rows` mapping (`what` names it in
+    errors: 'our rows', 'peer rows'); every table of benchmarks/peers reads its files so."""
     path = Path(path)
     if not path.is_file():
         raise TableError(f"{what} file {path} does not exist")
@@ -61,9 +62,16 @@ def load_rows(path: str | Path, what: str) -> dict:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise TableError(f"{what} file {path} is not valid JSON: {error}") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise TableError(f"{what} file {path} is not a {SCHEMA} file (schema {data.get('schema') if isinstance(data, dict) else None!r})")
-    if not isinstance(data.get("rows"), dict) or not data["rows"]:
+    if not isinstance(data, dict) or data.get("schema") != schema or not isinstance(data.get("rows"), dict):
+        raise TableError(f"{what} file {path} is not a {schema} file with rows "
+                         f"(schema {data.get('schema') if isinstance(data, dict) else None!r})")
+    return data
+
+
+def load_rows(path: str | Path, what: str) -> dict:
+    """The checked contents of a passkey rows file (`what` names it in errors)."""
+    data = read_rows_file(path, what, SCHEMA)
+    if not data["rows"]:
         raise TableError(f"{what} file {path} has no rows")
     for name, row in data["rows"].items():
         check_row(path, name, row)

@@ -4,6 +4,7 @@ input gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
+from scan_checks import assert_matches, assert_scan_matches, run_with_grads
 
 from recurformer.ops.selective_scan import (
     chunked,
@@ -35,31 +36,9 @@ def make_inputs(length, channels, n_state, *, batch=2, extras=True, seed=0, delt
     return inputs
 
 
-def run_with_grads(scan, inputs, **kwargs):
-    """(y, final state, gradients of a fixed random projection of both w.r.t. every input)."""
-    leaves = {name: t.clone().requires_grad_(True) for name, t in inputs.items()}
-    y, state = scan(**leaves, return_final_state=True, **kwargs)
-    g = torch.Generator().manual_seed(1)
-    loss = (y * torch.randn(y.shape, generator=g)).sum() + (state * torch.randn(state.shape, generator=g)).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    return y, state, dict(zip(leaves, grads))
-
-
-def assert_matches(actual, reference, what, tol=1e-4):
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    err = (actual.float() - reference.float()).abs().max().item() if reference.numel() else 0.0
-    scale = max(1.0, reference.abs().max().item() if reference.numel() else 0.0)
-    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol} * {scale:.3g}"
-
-
 def assert_same_scan(inputs, **kwargs):
-    y_ref, state_ref, grads_ref = run_with_grads(selective_scan_naive, inputs)
-    y, state, grads = run_with_grads(selective_scan_chunked, inputs, **kwargs)
-    assert y.shape == y_ref.shape and state.shape == state_ref.shape
-    assert_matches(y, y_ref, "y")
-    assert_matches(state, state_ref, "final state")
-    for name in inputs:
-        assert_matches(grads[name], grads_ref[name], f"d/d{name}")
+    """The chunked scan against the naive loop."""
+    assert_scan_matches(selective_scan_naive, selective_scan_chunked, inputs, **kwargs)
 
 
 @pytest.mark.parametrize("length", [1, 63, 257, 1024])
@@ -140,14 +119,7 @@ def test_cuda_backend_refuses_initial_state():
 
 def assert_compiled_matches(inputs, tol=1e-4, **kwargs):
     """The compiled scan against the naive loop: y, final state, every input gradient."""
-    y_ref, state_ref, grads_ref = run_with_grads(selective_scan_naive, inputs)
-    y, state, grads = run_with_grads(selective_scan_compiled, inputs, **kwargs)
-    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype and state.dtype == torch.float32
-    assert_matches(y, y_ref, "y", tol)
-    assert_matches(state, state_ref, "final state", tol)
-    for name in inputs:
-        assert grads[name].dtype == inputs[name].dtype
-        assert_matches(grads[name], grads_ref[name], f"d/d{name}", tol)
+    assert_scan_matches(selective_scan_naive, selective_scan_compiled, inputs, tol, dtypes=True, **kwargs)
 
 
 @pytest.mark.parametrize("length", [1, 63, 257])

@@ -12,7 +12,6 @@ dt bias = inverse softplus of a log-uniform dt in [dt_min, dt_max], D = 1.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from ..ops.step import mamba_step
 from ..ops.window_step import MambaTail
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 from .config import MixerConfig
+from .ssm_init import initial_dt_bias, reset_conv_
 
 
 @register_mixer("mamba")
@@ -85,16 +85,10 @@ class MambaMixer(Mixer):
     def _reset_ssm_parameters(self) -> None:
         """Mamba's initialization of the conv, dt, A and D parameters."""
         cfg = self.config
-        bound = 1.0 / math.sqrt(cfg.d_conv)  # nn.Conv1d's default for a depthwise filter
-        self.conv_weight.uniform_(-bound, bound)
-        if self.conv_bias is not None:
-            self.conv_bias.uniform_(-bound, bound)
+        reset_conv_(self.conv_weight, self.conv_bias, cfg.d_conv)
         std = self.dt_rank**-0.5
         self.dt_proj.weight.uniform_(-std, std)
-        dt = torch.exp(
-            torch.rand(self.d_inner) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min)
-        ).clamp(min=cfg.dt_init_floor)
-        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        self.dt_proj.bias.copy_(initial_dt_bias(self.d_inner, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
         self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
         self.D.fill_(1.0)
 

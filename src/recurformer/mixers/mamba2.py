@@ -19,7 +19,6 @@ dt bias the inverse softplus of a log-uniform dt in [dt_min, dt_max], D = 1, nor
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from ..ops.step import mamba2_step
 from ..ops.window_step import Mamba2Tail
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer, state_dtype
 from .config import MixerConfig
+from .ssm_init import initial_dt_bias, reset_conv_
 
 _NORM_EPS = 1e-5
 _A_INIT_RANGE = (1.0, 16.0)
@@ -74,14 +74,8 @@ class Mamba2Mixer(Mixer):
     @torch.no_grad()
     def _reset_ssm_parameters(self) -> None:
         cfg = self.config
-        bound = 1.0 / math.sqrt(cfg.d_conv)  # nn.Conv1d's default for a depthwise filter
-        self.conv_weight.uniform_(-bound, bound)
-        if self.conv_bias is not None:
-            self.conv_bias.uniform_(-bound, bound)
-        dt = torch.exp(
-            torch.rand(self.n_heads) * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min)
-        ).clamp(min=cfg.dt_init_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        reset_conv_(self.conv_weight, self.conv_bias, cfg.d_conv)
+        self.dt_bias.copy_(initial_dt_bias(self.n_heads, cfg.dt_min, cfg.dt_max, cfg.dt_init_floor))
         self.A_log.copy_(torch.log(torch.empty(self.n_heads).uniform_(*_A_INIT_RANGE)))
         self.D.fill_(1.0)
         if self.norm_weight is not None:

@@ -9,28 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..head_projections import HeadProjections
 from ..rope import rotate
 
 
 @dataclass(frozen=True)
-class AttentionWeights:
-    """The kept heads' projections: q_weight `[H D, d_in]`, k_weight and v_weight
-    `[G D, d_in]`, their biases `[rows]` or None; H = `heads` query heads over G =
-    `kv_heads` KV groups (query head h reads group h // (H / G)); scores scaled by `scaling`."""
+class AttentionWeights(HeadProjections):
+    """The kept heads' projections (`HeadProjections`), their scores scaled by `scaling`."""
 
-    q_weight: Tensor
-    q_bias: Tensor | None
-    k_weight: Tensor
-    k_bias: Tensor | None
-    v_weight: Tensor
-    v_bias: Tensor | None
-    heads: int
-    kv_heads: int
     scaling: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.q_weight.shape[0] // self.heads
 
 
 def attention_step_naive(x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, length: int,

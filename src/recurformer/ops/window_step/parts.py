@@ -8,28 +8,16 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from ..head_projections import HeadProjections
+
 
 @dataclass(frozen=True)
-class WindowWeights:
-    """The window mixer's projections: q_weight `[H D, d_in]`, k_weight and v_weight
-    `[G D, d_in]`, their biases `[rows]` or None; H = `heads` query heads over G =
-    `kv_heads` KV groups (query head h reads group h // (H / G)); a ring buffer of `sinks`
-    + `window` slots."""
+class WindowWeights(HeadProjections):
+    """The window mixer's projections (`HeadProjections`) and its ring buffer of `sinks` +
+    `window` slots."""
 
-    q_weight: Tensor
-    q_bias: Tensor | None
-    k_weight: Tensor
-    k_bias: Tensor | None
-    v_weight: Tensor
-    v_bias: Tensor | None
-    heads: int
-    kv_heads: int
     sinks: int
     window: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.q_weight.shape[0] // self.heads
 
     @property
     def slots(self) -> int:
