@@ -428,6 +428,17 @@ def test_a_new_process_takes_a_stage_model_from_its_directory(texts, tmp_path):
     assert all(torch.equal(p, saved[name]) for name, p in taken.named_parameters())
 
 
+def test_run_takes_another_recipe_by_name():
+    assert recipe_for("window+mamba2", "tail-mamba2-q").lm.trainable == "tail+q"
+    long = recipe_for("window+mamba2", "tail-mamba2-long")
+    assert long.sequence_length == 4096 and long.lm.seq_len == 4096
+    assert "query projections train too" in recipe_for("window+mamba2", "tail-mamba2-q").summary
+    with pytest.raises(ConfigError, match="--recipe: unknown 'fast'; choose one of mixers, mamba2, tail"):
+        recipe_for("window+mamba2", "fast")
+    with pytest.raises(ConfigError, match="--recipe tail-mamba2-q trains the tails of window\\+ kinds, and --mixer mamba has none"):
+        recipe_for("mamba", "tail-mamba2-q")
+
+
 def test_the_report_names_the_recipe_the_mixer_was_trained_by():
     assert "LoRA adapters" in recipe_for("mamba").summary and "tail recipe" not in recipe_for("window").summary
     assert "KL divergence to the original model's predictions alone" in recipe_for("window+mamba2").summary

@@ -324,6 +324,20 @@ def test_tail_trains_only_the_recurrent_branches_and_gates(tmp_path, stage):
     assert changed == tail
 
 
+def test_tail_and_kept_queries_train_only_those(tmp_path):
+    """`tail+q` (issue 44): the tails and gates and the kept heads' query projections change;
+    the window's projections, the kept keys and values and everything else do not."""
+    teacher, student, sequences = setup(init="reuse", mixer=MIXERS["window+mamba2"])
+    before = {n: p.clone() for n, p in student.state_dict().items()}
+    config = TrainConfig(stage="lm", steps=2, seq_len=SEQ, batch_size=4, lr=1e-2, trainable="tail+q", warmup=0.0,
+                         distill_weight=1.0, ce_weight=0.0)
+    train(student, LMObjective("tail+q", teacher, 1.0, ce_weight=0.0), sequences, config, tmp_path, progress=False)
+    changed = changed_parameters(student, before)
+    tail = {n for n in before if ".mixer.recurrent." in n or n.endswith(".mixer.gate")}
+    queries = {n for n in before if ".self_attn.q_proj." in n}
+    assert tail and queries and changed == tail | queries
+
+
 @pytest.mark.parametrize("stage", ["transfer", "lm"])
 def test_tail_needs_window_recurrent_mixers(tmp_path, stage):
     teacher, student, sequences = setup(mixer=MIXERS["mamba2"])

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .mixers import kinds_reading
+from .mixers import MIXERS, kinds_reading
 
 MIB = 2**20
 
@@ -171,6 +171,9 @@ RUN_METRICS: tuple[Metric, ...] = (
     Metric("ssd_state", "Mamba-2 state size per head", _mixer_field("ssd_state")),
     _config("scorer", "head scorer"),
     _config("budget_minutes", "training budget (minutes)"),
+    Metric("recipe", "training recipe (recipe.py)", lambda r: r.config.get("recipe_name") or MIXERS[r.config["mixer"]].recipe),
+    Metric("retrieval_share", "share of training sequences with facts and questions",
+           lambda r: r.config.get("retrieval_share", 0.0), "{:.0%}"),
     _config("seed", "seed"),
     Metric("replaced_groups", "KV groups replaced", lambda r: r.records["convert"]["groups"]),
     Metric("replaced_fraction", "share of KV groups replaced", lambda r: r.records["convert"]["fraction"], "{:.0%}"),

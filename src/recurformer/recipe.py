@@ -13,13 +13,19 @@ the pipeline, the benchmarks that train like `run` and the run's report all read
 | `mamba2` | mamba2 | as `mixers` | as `mixers` at 2e-4 (1e-3 diverges: docs/mixers.md) |
 | `tail` | window+mamba, window+linear | the tail only, 5e-3, 4 x 1,024 tokens | the tail only, on the KL alone, 1e-3 |
 | `tail-mamba2` | window+mamba2 | as `tail` | as `tail` at 2e-4 |
+| `tail-mamba2-q` | (`run --recipe`) a tail kind | as `tail` | the tail and the kept heads' query projections, 2e-4 |
+| `tail-mamba2-long` | (`run --recipe`) a tail kind | as `tail` on 1 x 4,096 tokens | as `tail-mamba2` on 1 x 4,096 tokens |
 | (none) | a kind with nothing to train | `run` refuses the kind (`Mixer.recipe = None`) | |
 
 The tail recipes train only what sees beyond the window (`Mixer.tail_parameters`: the
 recurrent branch and its gate): the window keeps the replaced heads' own weights, so the
 model starts as the training-free `window` and the KL to the original is all it learns from,
 which recovers the original rather than adapting to the training text. Their sequences are
-several times the window long, with as many tokens per step as the other recipes.
+several times the window long, with as many tokens per step as the other recipes. The
+`-q` and `-long` recipes are the options of issue 44 for retrieval (measured in
+docs/results/long-context.md): the kept heads' queries may adapt to the loss of their
+neighbours, and a sequence as long as the evaluated context holds facts as far back as the
+evaluation asks for them. `run --recipe` picks one instead of the kind's own.
 """
 
 from __future__ import annotations
@@ -104,6 +110,10 @@ _TAIL_TEXT = ("The tail recipe: the window keeps the heads' own projections, and
               "trains the tails end to end on the KL divergence to the original model's predictions alone, which "
               "recovers the original instead of adapting to the training text.")
 
+_Q_TEXT = (" The kept heads' query projections train too, so that the heads that still attend to every token can "
+           "learn to find what the replaced heads found.")
+_LONG_TEXT = " Both stages train on sequences of 4,096 tokens, as long as the evaluated context."
+
 _MIXERS = Recipe("mixers", _MIXERS_TEXT,
                  transfer=StageRecipe(lr=5e-3, trainable="mixers", seq_len=512, batch_size=8),
                  lm=StageRecipe(lr=1e-3, trainable="mixers+lora", seq_len=512, batch_size=8, distill_weight=1.0),
@@ -118,13 +128,29 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     replace(_MIXERS, name="mamba2", lm=replace(_MIXERS.lm, lr=2e-4)),
     _TAIL,
     replace(_TAIL, name="tail-mamba2", lm=replace(_TAIL.lm, lr=2e-4)),
+    replace(_TAIL, name="tail-mamba2-q", summary=_TAIL_TEXT + _Q_TEXT, lm=replace(_TAIL.lm, lr=2e-4, trainable="tail+q")),
+    replace(_TAIL, name="tail-mamba2-long", summary=_TAIL_TEXT + _LONG_TEXT,
+            transfer=replace(_TAIL.transfer, seq_len=4096, batch_size=1),
+            lm=replace(_TAIL.lm, lr=2e-4, seq_len=4096, batch_size=1)),
 )}
 
 
-def recipe_for(kind: str) -> Recipe:
-    """The recipe `run` trains a conversion to mixer `kind` with (the kind's `Mixer.recipe`)."""
-    name = MIXERS[kind].recipe
-    require(name is not None, f"--mixer {kind} has no parameters to train, so `run` cannot train it; "
-                              "use `recurformer convert` and `recurformer eval`")
-    return RECIPES[name]
+def _trains_tails(recipe: Recipe) -> bool:
+    return any(recipe.stage(stage).trainable.startswith("tail") for stage in STAGES)
+
+
+def recipe_for(kind: str, name: str | None = None) -> Recipe:
+    """The recipe `run` trains a conversion to mixer `kind` with: `name` (`run --recipe`),
+    else the kind's own (`Mixer.recipe`). One-line errors for a kind with nothing to train,
+    an unknown name, and a tail recipe for a kind without a tail."""
+    own = MIXERS[kind].recipe
+    require(own is not None, f"--mixer {kind} has no parameters to train, so `run` cannot train it; "
+                             "use `recurformer convert` and `recurformer eval`")
+    if name is None:
+        return RECIPES[own]
+    require(name in RECIPES, f"--recipe: unknown {name!r}; choose one of {', '.join(RECIPES)}")
+    recipe = RECIPES[name]
+    require(not _trains_tails(recipe) or _trains_tails(RECIPES[own]),
+            f"--recipe {name} trains the tails of window+ kinds, and --mixer {kind} has none")
+    return recipe
 

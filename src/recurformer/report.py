@@ -160,7 +160,7 @@ def render_run_report(metrics: dict, table: dict[str, Metric], rows: list[Row], 
         "",
         f"`transfer`: {m['transfer_steps']} steps, {m['transfer_tokens']:,} tokens, {m['transfer_minutes']:.1f} min at "
         f"peak learning rate {m['transfer_lr']:g}; `lm`: {m['lm_steps']} steps, {m['lm_tokens']:,} tokens, "
-        f"{m['lm_minutes']:.1f} min at {m['lm_lr']:g}. " + recipe_for(m["mixer"]).summary,
+        f"{m['lm_minutes']:.1f} min at {m['lm_lr']:g}. " + recipe_for(m["mixer"], m.get("recipe")).summary,
         "",
         "![loss](loss.png)",
         "",

@@ -67,6 +67,8 @@ class RunConfig:
     lr: tuple[float, float] | None = option(None, "learning rates of the two stages (default: the mixer's "
                                             "recipe, docs/training.md)", metavar="TRANSFER,LM",
                                             parse=_pair(float, "learning rates", "5e-3,1e-3"))
+    recipe_name: str | None = option(None, "how to train: a recipe of recipe.py (default: the mixer kind's own; "
+                                     "docs/training.md)", flag="--recipe", metavar="NAME")
     retrieval_share: float = option(0.0, "the share of training sequences that carry facts and questions "
                                     "(docs/training.md, \"Retrieval in the training data\")")
     quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
@@ -85,7 +87,7 @@ class RunConfig:
         SelectionConfig(self.beta, self.scorer, self.seed)
         require(self.beta > 0, "--beta 0 replaces no KV group: run needs a beta in (0, 1]")
         self.mixer_config()
-        recipe_for(self.mixer)  # a kind with nothing to train is refused here, before any work
+        recipe_for(self.mixer, self.recipe_name)  # a kind with nothing to train is refused here, before any work
         require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
         require(self.budget_minutes <= MAX_BUDGET_MINUTES,
                 f"--budget-minutes must be at most {MAX_BUDGET_MINUTES:,} (a year), got {self.budget_minutes}")
@@ -118,7 +120,7 @@ class RunConfig:
     @property
     def recipe(self) -> Recipe:
         """How the run trains: the mixer kind's recipe (`recipe.py`), at tiny sizes when `quick`."""
-        recipe = recipe_for(self.mixer)
+        recipe = recipe_for(self.mixer, self.recipe_name)
         return recipe.quick() if self.quick else recipe
 
     @property

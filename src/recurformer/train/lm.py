@@ -3,7 +3,9 @@
 Trainable sets: `mixers` (everything else frozen), `mixers+lora` (mixers plus LoRA adapters
 on the attention and MLP projections, merged into the weights at the end; needs `peft`),
 `tail` (only the recurrent branch and gate of `window+*` mixers: their window's
-projections stay as the heads had them) and `all`.
+projections stay as the heads had them), `tail+q` (the tails and the kept heads' query
+projections, so that the heads that still attend to every token can learn to find what the
+replaced ones found: issue 44) and `all`.
 
 [ours] Memory. With a 49,152-token vocabulary, the logits of one 2,048-token sequence are
 400 MB in fp32, and a plain KL keeps about five such tensors (student and teacher logits,
@@ -25,11 +27,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..attention import HybridAttention
 from ..config import ConfigError
 from ..mixers import MIXERS, Mixer
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHUNK = 512  # rows of logits computed at once
+
+
+def kept_query_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The query projections (weight and bias) of every layer's kept heads."""
+    return [p for module in model.modules() if isinstance(module, HybridAttention) and module.has_attention
+            for p in module.q_proj.parameters()]
 
 
 def tail_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -149,7 +158,7 @@ class LMObjective:
     """`ce_weight` * cross-entropy on packed text, plus `distill_weight * T^2 * KL(teacher || student)`.
 
     Args:
-        trainable: `mixers`, `mixers+lora`, `tail` or `all`.
+        trainable: `mixers`, `mixers+lora`, `tail`, `tail+q` or `all`.
         teacher: the original model (needed when `distill_weight > 0`).
         distill_weight, temperature: the distillation term.
         lora_rank: rank of the LoRA adapters (alpha = 2 * rank).
@@ -184,8 +193,9 @@ class LMObjective:
         if self.recompute:
             recompute_layers(model)
             self.student = model
-        if self.trainable == "tail":
-            for p in tail_parameters(model):
+        if self.trainable in ("tail", "tail+q"):
+            chosen = tail_parameters(model) + (kept_query_parameters(model) if self.trainable == "tail+q" else [])
+            for p in chosen:
                 p.requires_grad_(True)
             return model.train()
         if self.trainable == "mixers+lora":

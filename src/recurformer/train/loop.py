@@ -40,7 +40,7 @@ except ImportError:
     TORCH_SAFE_GLOBALS = []
 
 STAGES = ("transfer", "lm")
-TRAINABLE_SETS = ("mixers", "mixers+lora", "tail", "all")
+TRAINABLE_SETS = ("mixers", "mixers+lora", "tail", "tail+q", "all")
 PRECISIONS = ("auto", "no", "bf16")
 CHECKPOINT = "checkpoint"
 STATE = "trainer_state.json"  # in the checkpoint: the step, the elapsed time and the config
