@@ -29,12 +29,13 @@ smoke: install
 test-all: install
 	$(BIN)/python -m pytest -q
 
-# The main job on the default model and the shared corpora.
-# Override the corpora folder with DATA=..., add flags with ARGS="--beta 0.75 ...".
-DATA ?= ../shared/data
+# The main job on the default model and the default corpora: ../shared/data where it exists,
+# else the same texts from their public sources (docs/data.md). Another corpora folder with
+# DATA=..., more flags with ARGS="--beta 0.75 ...".
+DATA ?=
 ARGS ?=
 demo: install
-	RECURFORMER_DATA=$(DATA) $(BIN)/recurformer run --model smollm2-135m --out runs/demo $(ARGS)
+	$(if $(DATA),RECURFORMER_DATA=$(DATA) )$(BIN)/recurformer run --model smollm2-135m --out runs/demo $(ARGS)
 
 bench: install
 	$(BIN)/python -m benchmarks.speed.bench

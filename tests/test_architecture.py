@@ -22,7 +22,7 @@ PACKAGE = ROOT / "src" / "recurformer"
 # Bottom to top. A module may import modules of its own layer or of lower ones, never of a
 # higher one. Layer 0 holds the leaves that anything may use.
 LAYERS: dict[str, int] = {
-    "errors": 0, "config": 0, "files": 0, "data": 0, "retrieval_mix": 0, "dataset_ids": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
+    "errors": 0, "config": 0, "files": 0, "data": 0, "retrieval_mix": 0, "dataset_ids": 0, "corpus_sources": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
     "ops": 1,
     "mixers": 2,
     "attention": 3, "attention_hook": 3, "cache": 3,
@@ -207,4 +207,4 @@ def test_tests_find_the_corpora_as_the_package_does():
             continue
         source = path.read_text()
         for spelled in ("shared/data", '"shared" / "data"', *TRAIN_CORPORA, *EVAL_CORPORA, *OUT_OF_DOMAIN_CORPORA):
-            assert spelled not in source, f"{path.relative_to(ROOT)} spells {spelled}; use recurformer.data.shared_corpora"
+            assert spelled not in source, f"{path.relative_to(ROOT)} spells {spelled}; use recurformer.corpus_sources.shared_corpora"

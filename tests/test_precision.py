@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import recurformer  # noqa: F401  (registers the Auto classes)
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError, ReplacementSpec
-from recurformer.data import EVAL_CORPORA, shared_corpora
+from recurformer.corpus_sources import shared_corpora
+from recurformer.data import EVAL_CORPORA
 from recurformer.mixers import MixerConfig, build_mixer, state_dtype
 from recurformer.ops.conv import causal_conv1d, causal_conv1d_step
 from recurformer.ops.selective_scan import selective_scan

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import recurformer  # noqa: F401
 from recurformer.cli import main
-from recurformer.data import TRAIN_CORPORA, shared_corpora
+from recurformer.corpus_sources import shared_corpora
+from recurformer.data import TRAIN_CORPORA
 
 pytestmark = pytest.mark.real_model
 

@@ -69,6 +69,10 @@ def _plain_type(hint: Any) -> Any:
 
 
 def _default(spec) -> Any:
+    """The default `--help` shows: the field's `shown` text if it has one (a default that
+    would fetch something to be known), else its value."""
+    if "shown" in spec.metadata:
+        return spec.metadata["shown"]
     if spec.default is not MISSING:
         return spec.default
     return spec.default_factory() if spec.default_factory is not MISSING else None

@@ -47,12 +47,6 @@ def corpora_folder() -> Path:
     return Path(os.environ.get(DATA_ENV, "../shared/data"))
 
 
-def shared_corpora(names: tuple[str, ...]) -> list[str]:
-    """The paths of the corpora `names` in `corpora_folder()`, present or not: a missing one
-    is an error when it is read (`not_found`), never silently left out."""
-    return [str(corpora_folder() / name) for name in names]
-
-
 def not_found(path: str | Path) -> DataError:
     """The error for a data file that is not there; for a shared corpus, where it was looked for."""
     message = f"data file not found: {path}"

@@ -19,7 +19,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import ConfigError, option, require
-from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
+from ..corpus_sources import shared_corpora, shown_corpora
+from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, load_documents, tokenize_documents
 from ..loading import RECURFORMER_TYPE, is_converted, load_teacher
 from ..metrics import BASELINE, Metric, Row, per_model
 from .logits import chunked_logits, last_hidden
@@ -46,7 +47,8 @@ def agreement(model, reference, windows: Tensor, progress: bool = True) -> dict:
 @dataclass(frozen=True)
 class AgreementOptions:
     data: list[str] = option(help="text files (.txt or .jsonl), each reported on its own", metavar="FILE",
-                             factory=lambda: shared_corpora(EVAL_CORPORA + OUT_OF_DOMAIN_CORPORA))
+                             factory=lambda: shared_corpora(EVAL_CORPORA + OUT_OF_DOMAIN_CORPORA),
+                             shown=shown_corpora(EVAL_CORPORA + OUT_OF_DOMAIN_CORPORA))
     context: int = option(1024, "tokens per window")
     max_tokens: int = option(8192, "tokens scored per file (the first N)")
     reference: str | None = option(None, "the original model (default: the one the converted model records)",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ConfigError, option, require
-from ..data import DataError, load_documents, shared_corpora, tokenize_documents
+from ..corpus_sources import shared_corpora, shown_corpora
+from ..data import DataError, load_documents, tokenize_documents
 from ..tasks.passkey import FORMATS, generate_passkey, score_passkey
 from .generation import greedy_completions
 from .registry import Task, register
@@ -39,7 +40,8 @@ def passkey_accuracy(model, tokenizer, haystack: list[int], context: int, depths
 @dataclass(frozen=True)
 class PasskeyOptions:
     data: list[str] = option(help="haystack text (.txt or .jsonl; real text, not filler)", metavar="FILE",
-                             factory=lambda: shared_corpora(HAYSTACK_CORPORA))
+                             factory=lambda: shared_corpora(HAYSTACK_CORPORA),
+                             shown=shown_corpora(HAYSTACK_CORPORA))
     context: int = option(1024, "prompt tokens per problem")
     depths: tuple[float, ...] = option((0.1, 0.3, 0.5, 0.7, 0.9), "where the key sits: fractions of the haystack "
                                        "before it", metavar="D,D,...", parse=parse_depths)

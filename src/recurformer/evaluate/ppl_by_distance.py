@@ -22,7 +22,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..config import option, require
-from ..data import EVAL_CORPORA, DataError, load_documents, shared_corpora, tokenize_documents
+from ..corpus_sources import shared_corpora, shown_corpora
+from ..data import EVAL_CORPORA, DataError, load_documents, tokenize_documents
 from ..metrics import BASELINE, Metric, Row
 from .logits import chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
@@ -82,7 +83,8 @@ def loss_by_distance(model, sequences: Tensor, progress: bool = True) -> dict:
 @dataclass(frozen=True)
 class PplByDistanceOptions:
     data: list[str] = option(help="held-out text (.txt or .jsonl), consecutive documents", metavar="FILE",
-                             factory=lambda: shared_corpora(EVAL_CORPORA))
+                             factory=lambda: shared_corpora(EVAL_CORPORA),
+                             shown=shown_corpora(EVAL_CORPORA))
     context: int = option(8192, "tokens per sequence")
     sequences: int = option(2, "sequences scored (the first N of the text)")
 

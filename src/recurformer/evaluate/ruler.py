@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 from tqdm.auto import tqdm
 
 from ..config import ConfigError, option, require
-from ..data import DataError, load_documents, shared_corpora
+from ..corpus_sources import shared_corpora, shown_corpora
+from ..data import DataError, load_documents
 from ..metrics import BASELINE, Metric, Row, per_model
 from ..tasks.ruler import FORMATS, TASKS, RulerProblem, Sources, generate_ruler, parse_tasks, score_ruler, summarize
 from .generation import prefilled_answer
@@ -85,7 +86,8 @@ def answer_problems(model, tokenizer, problems: list[RulerProblem], cache_factor
 @dataclass(frozen=True)
 class RulerOptions:
     data: list[str] = option(help="real text for the haystacks (.txt or .jsonl; held-out: never trained on)",
-                             metavar="FILE", factory=lambda: shared_corpora(HAYSTACK_CORPORA))
+                             metavar="FILE", factory=lambda: shared_corpora(HAYSTACK_CORPORA),
+                             shown=shown_corpora(HAYSTACK_CORPORA))
     context: int = option(4096, "prompt tokens per problem (context + question)")
     tasks: str = option("all", f"comma-separated RULER tasks, or all: {', '.join(TASKS)}", parse=check_tasks)
     problems: int = option(5, "problems per task")

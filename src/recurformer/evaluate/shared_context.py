@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from ..cache import CACHE_ARGUMENT
 from ..config import ConfigError, option, require
-from ..data import DataError, load_documents, shared_corpora
+from ..corpus_sources import shared_corpora, shown_corpora
+from ..data import DataError, load_documents
 from ..tasks.ruler import Sources
 from ..tasks.shared_context import FORMATS, KINDS, SharedContext, generate_shared_contexts, is_exact
 from .bootstrap import interval
@@ -143,7 +144,8 @@ def shared_problems(tokenizer, data: list[str], contexts: int, tokens: int, need
 @dataclass(frozen=True)
 class SharedContextOptions:
     data: list[str] = option(help="real text for the contexts (.txt or .jsonl; held-out: never trained on)",
-                             metavar="FILE", factory=lambda: shared_corpora(HAYSTACK_CORPORA))
+                             metavar="FILE", factory=lambda: shared_corpora(HAYSTACK_CORPORA),
+                             shown=shown_corpora(HAYSTACK_CORPORA))
     context: int = option(4096, "tokens of each context (the questions come after it)")
     contexts: int = option(40, "contexts, each prefilled once (40: a headline interval of about +/- 4 points)")
     needles: int = option(NEEDLES, "facts in each context")

@@ -11,7 +11,8 @@ from typing import Any
 from ..ablation import AblationConfig
 from ..bench import BenchConfig
 from ..config import ConfigError, option, require
-from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, not_found, shared_corpora
+from ..corpus_sources import shared_corpora, shown_corpora
+from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, not_found
 from ..loading import check_convertible
 from ..mixers import MIXER_KINDS, MixerConfig, parse_ssd_state, parse_window, resolve_for_model
 from ..recipe import Recipe, recipe_for
@@ -43,12 +44,14 @@ class RunConfig:
     model: str = option("smollm2-135m", "a local Hugging Face model directory, a known name, or a Hugging Face id "
                         "org/name (docs/models.md)")
     data: list[str] = option(help=f"training and head-scoring text (the shared corpora, in ${DATA_ENV} or "
-                             "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA))
+                             "../shared/data)", metavar="FILE", factory=lambda: shared_corpora(TRAIN_CORPORA),
+                             shown=shown_corpora(TRAIN_CORPORA))
     eval_data: list[str] = option(help="held-out text for perplexity and the long-range tasks", metavar="FILE",
-                                  factory=lambda: shared_corpora(EVAL_CORPORA))
+                                  factory=lambda: shared_corpora(EVAL_CORPORA), shown=shown_corpora(EVAL_CORPORA))
     ood_data: list[str] = option(help="out-of-domain text for perplexity and agreement (another domain than "
                                  "--data, evaluation only)", metavar="FILE",
-                                 factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA))
+                                 factory=lambda: shared_corpora(OUT_OF_DOMAIN_CORPORA),
+                                 shown=shown_corpora(OUT_OF_DOMAIN_CORPORA))
     beta: float = option(SelectionConfig.beta, "fraction of KV groups to replace")
     mixer: str = option(MixerConfig.kind, "mixer kind (docs/mixers.md; the paper's: mamba)",
                         choices=lambda: MIXER_KINDS)
