@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import MIXERS, open_gates, spec_for, tiny_model
+from tiny_models import MIXERS, keeps_state, open_gates, spec_for, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import recurformer  # noqa: F401  (registers the Auto classes)
@@ -93,6 +93,7 @@ def test_left_padded_batch_equals_each_prompt_alone(arch, attn, mixer):
 def test_generate_equals_manual_greedy_loop(arch, mixer):
     model = tiny_model(arch)
     converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random"))
+    converted.generation_config.eos_token_id = None  # all 15 tokens, whichever are drawn (the loop below has no EOS)
     ids = torch.randint(1, 97, (1, 12))
     out = converted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, do_sample=False, pad_token_id=0)
     manual = ids
@@ -206,7 +207,7 @@ def test_cache_bytes(arch, mixer, beta):
     # the cache holds exactly the states the mixers allocate
     declared = sum(t.numel() * t.element_size() for attention in converted.hybrid_attentions() if attention.mixer
                    for t in attention.mixer.allocate_state(2, torch.float32, "cpu").values())
-    assert state_bytes == {declared} and (declared > 0) == (beta > 0)
+    assert state_bytes == {declared} and (declared > 0) == (beta > 0 and keeps_state(mixer))
 
 
 def test_a_plain_dynamic_cache_is_refused():
@@ -238,6 +239,15 @@ def test_unsupported_architecture_lists_the_supported_ones():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
     with pytest.raises(UnsupportedArchitectureError, match="llama, qwen2, mistral"):
         convert(gpt2, ReplacementSpec(1, 2, []))
+
+
+def test_clipped_qkv_is_refused():
+    """OLMo's `clip_qkv` clamps q, k and v: not Llama's attention, which the converted layers
+    compute (an empty spec would no longer give the original's logits)."""
+    model = tiny_model("llama")
+    model.config.clip_qkv = 8.0
+    with pytest.raises(UnsupportedArchitectureError, match="llama with clip_qkv=8.0: clipped q/k/v is not Llama's"):
+        convert(model, ReplacementSpec(2, 2, []))
 
 
 def test_spec_for_another_shape_is_refused():

@@ -14,6 +14,7 @@ from tiny_models import save_tiny_model, spec_for, tiny_model
 
 from recurformer import convert
 from recurformer.cli import main
+from recurformer.config import SUPPORTED_ARCHITECTURES
 from recurformer.metrics import Metric, Row, render_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,8 @@ def test_every_file_the_readme_names_exists(path):
 
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 # docs/architecture.md's recipes were tried on throwaway branches: the files they name are not kept
-RECIPE_EXAMPLES = {"tests/test_drop_mixer.py", "tests/test_copy.py"}
+RECIPE_EXAMPLES = {"tests/test_drop_mixer.py", "tests/test_copy.py", "tests/test_identity_mixer.py", "tests/test_induction.py",
+                   "tests/ops/test_scale.py"}
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -109,6 +111,16 @@ def test_every_file_a_doc_names_exists(doc):
     files = [p for p in named if not re.search(r"[{<]|\.[A-Z]", p) and p not in RECIPE_EXAMPLES]  # not symbols
     missing = [p for p in files if not (ROOT / p.rstrip("/")).exists()]
     assert not missing, missing
+
+
+def test_the_docs_name_every_supported_family():
+    """The sentences that list the families, against `SUPPORTED_ARCHITECTURES` (adding one:
+    docs/architecture.md, "Recipes")."""
+    names = ", ".join(SUPPORTED_ARCHITECTURES)
+    assert f"(`model_type` {names})" in README
+    method = (ROOT / "docs" / "method.md").read_text()
+    assert ", ".join(f"`{name}`" for name in SUPPORTED_ARCHITECTURES) + "," in method
+    assert f"supported: {names}`" in (ROOT / "docs" / "models.md").read_text()
 
 
 def test_the_license_file_is_the_declared_license():

@@ -3,6 +3,7 @@ the step-time probe, the report, and `recurformer generate`."""
 
 import json
 import re
+import string
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,14 +12,15 @@ import torch
 from transformers import LlamaConfig
 from tiny_models import save_tiny_model, spec_for, tiny_model
 
+from recurformer import recipe as recipe_module
 from recurformer import retrieval_probe
 from recurformer.cli import main
 from recurformer.config import ConfigError
 from recurformer.data import DataError, load_documents, token_sequences
 from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
-from recurformer.mixers import MixerConfig, resolve_for_model
-from recurformer.recipe import recipe_for
+from recurformer.mixers import MIXERS, MixerConfig, resolve_for_model
+from recurformer.recipe import RECIPES, recipe_for
 from recurformer.report import render_run_report
 from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
 from recurformer.surgery import convert
@@ -241,6 +243,10 @@ def _metrics(quick: bool) -> dict:
         "agreement_top1_final": 0.71, "agreement_top1_baseline": 0.86, "agreement_kl_final": 0.52,
         "agreement_kl_baseline": 0.061, "agreement_tokens": 8192,
         "hashhop_original": 0.25, "hashhop_final": 0.125, "hashhop_problems": 24, "hashhop_context": 256,
+        "ppl_far_original": 22.0, "ppl_far_final": 33.0, "ppl_far_final_ratio": 1.5, "ppl_far_baseline": 24.2,
+        "ppl_far_baseline_ratio": 1.1, "ppl_far_from": 1024, "ppl_far_sequences": 2, "ppl_far_context": 8192,
+        "ruler_original": 60.0, "ruler_final": 40.0, "ruler_baseline": 45.0, "ruler_tasks": 3, "ruler_problems": 4,
+        "ruler_context": 4096,
         "mqar_original": 0.12, "mqar_final": 0.03, "mqar_problems": 32, "mqar_context": 256, "mqar_kv_pairs": 16,
         "bench_context": 4096, "bench_threads": 2, "cache_bytes_original": 180 * 2**20, "cache_bytes_final": 91 * 2**20,
         "cache_ratio": 0.506, "decode_tokens_per_s_original": 10.0, "decode_tokens_per_s_final": 14.0,
@@ -248,6 +254,17 @@ def _metrics(quick: bool) -> dict:
         "max_context_in_budget_original": 23_301, "max_context_in_budget_final": 46_573, "cache_budget_bytes": 2**30,
         "seconds_resolve": 0.1, "seconds_lm": 960.0, "total_minutes": 38.2, "peak_rss_lm": 3 * 2**30,
     }
+
+
+def test_the_report_fixture_fills_every_summary_row():
+    """Every key a summary row shows (a cell, or a field of its label) has a value in `_metrics`:
+    a run task added without its results here would leave its row blank, untested."""
+    _, rows = metric_table()
+    given = {key for key, value in _metrics(False).items() if value is not None}
+    shown = {key for row in rows for key in (row.original, row.converted, row.ratio, row.note, row.baseline,
+                                             row.baseline_ratio) if key}
+    shown |= {field for row in rows for _, field, _, _ in string.Formatter().parse(row.label) if field}
+    assert not shown - given, f"give these keys values in tests/test_run.py's _metrics: {sorted(shown - given)}"
 
 
 def test_report_states_the_numbers_and_flags_quick_runs():
@@ -266,6 +283,9 @@ def test_report_states_the_numbers_and_flags_quick_runs():
             "31.50 (1.050x) |") in full
     assert "| top-1 agreement with the original (8,192 tokens, held-out + out-of-domain) | | 71.0% | | 86.0% |" in full
     assert "| HashHop, 1 hop, exact match (24 problems, ~256 tokens) | 25% | 12% | | |" in full
+    assert ("| perplexity at positions >= 1,024 of 2 held-out sequences of 8,192 tokens | 22.00 | 33.00 | 1.500x | "
+            "24.20 (1.100x) |") in full
+    assert "| RULER mix in held-out text, string match 0-100 (3 needle tasks x 4 problems, 4,096 tokens) | 60.0 | 40.0 | | 45.0 |" in full
     assert "| MQAR, token accuracy (32 sequences of 256 tokens, 16 pairs) | 12% | 3% | | |" in full
     assert "| cache at 4,096 tokens | 180.0 MiB | 91.0 MiB | 0.506x | |" in full
     assert "1.40x (1.10x vs a static cache)" in full
@@ -426,6 +446,16 @@ def test_a_new_process_takes_a_stage_model_from_its_directory(texts, tmp_path):
     taken = Run(config, tmp_path / "run").model("converted")
     assert taken is not first.model("converted")  # loaded again, from the folder
     assert all(torch.equal(p, saved[name]) for name, p in taken.named_parameters())
+
+
+def test_every_kind_names_a_recipe_and_every_recipe_is_in_both_tables():
+    """A kind's `recipe` is a key of `RECIPES` (else `run` fails with a bare KeyError), and
+    each recipe has its row in `recipe.py`'s docstring and in docs/training.md."""
+    unknown = {kind: cls.recipe for kind, cls in MIXERS.items() if cls.recipe is not None and cls.recipe not in RECIPES}
+    assert not unknown, f"mixer kinds naming no recipe of recipe.RECIPES: {unknown}"
+    training = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    for name in RECIPES:
+        assert f"| `{name}` |" in recipe_module.__doc__ and f"| `{name}` |" in training, name
 
 
 def test_run_takes_another_recipe_by_name():

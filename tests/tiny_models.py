@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from recurformer.config import ReplacementSpec
-from recurformer.mixers import MIXER_KINDS, MixerConfig
+from recurformer.mixers import MIXER_KINDS, HeadShape, MixerConfig, build_mixer
 
 COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
 
@@ -31,6 +31,12 @@ ARCHITECTURES = {
 # One small config per registered mixer kind (each kind reads only its own fields): the
 # window is shorter than most test sequences, so a ring buffer wraps; SSD chunks are short.
 MIXERS = {kind: MixerConfig(kind=kind, window=16, sinks=2, ssd_chunk=16, feature_dim=6) for kind in MIXER_KINDS}
+
+
+def keeps_state(kind: str) -> bool:
+    """Whether a mixer of `kind` keeps anything between tokens (a kind may keep nothing)."""
+    mixer = build_mixer(8, HeadShape(num_q_heads=2, num_kv_heads=1, head_dim=4), MIXERS[kind])
+    return bool(mixer.allocate_state(1, torch.float32, "cpu"))
 
 
 def open_gates(converted, seed: int = 0):

@@ -14,6 +14,13 @@ from typing import Any
 
 from .errors import RecurformerError
 
+# The base models' `model_type`s RecurFormer converts: exactly Llama's attention (docs/method.md;
+# adding one: docs/architecture.md, "Recipes"). Llama carries one `attention_bias` flag for
+# q/k/v/o; Qwen2 has biases on q/k/v only; Mistral has none. Here, at the bottom layer, so
+# that the hub's messages name them too.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
 class ConfigError(RecurformerError, ValueError):
     """A configuration value is out of range or of the wrong kind."""
 

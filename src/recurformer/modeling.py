@@ -21,13 +21,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .attention import HybridAttention
 from .cache import CACHE_ARGUMENT, HybridCache
-from .config import ConfigError, ReplacementSpec
+from .config import SUPPORTED_ARCHITECTURES, ConfigError, ReplacementSpec
 from .errors import RecurformerError
 from .mixers import MixerConfig
-
-# model_type -> how to read its attention layout. Llama carries one `attention_bias` flag
-# for q/k/v/o; Qwen2 has biases on q/k/v only; Mistral has none.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
 class UnsupportedArchitectureError(RecurformerError, ValueError):
@@ -41,6 +37,10 @@ def check_architecture(config: PreTrainedConfig | str | None) -> None:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    clip = getattr(config, "clip_qkv", None)  # OLMo's option: q/k/v clamped, which Llama's attention is not
+    if clip is not None:
+        raise UnsupportedArchitectureError(f"{model_type} with clip_qkv={clip}: clipped q/k/v is not Llama's attention, "
+                                           "which the converted layers compute; only models without clip_qkv convert")
 
 
 class RecurFormerConfig(PreTrainedConfig):

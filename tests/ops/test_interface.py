@@ -3,18 +3,35 @@ described with its types, every ctypes struct mirror the size of its C++ struct,
 the wrong number of arguments refused; and the one set of backend names with its one rule."""
 
 import ctypes
+import importlib
+import importlib.util
+import pkgutil
 import re
 
 import pytest
 import torch
 
-import recurformer.ops.attention_step.compiled as attention_step
 import recurformer.ops.window_step.compiled as window_step
+from recurformer import ops
 from recurformer.mixers import MixerConfig
 from recurformer.ops import kernels
 from recurformer.ops.backends import BACKENDS, pick_backend
 
-MIRRORS = (window_step.WindowStepWeights, attention_step.AttentionStepWeights)
+
+def ctypes_mirrors() -> tuple[type[ctypes.Structure], ...]:
+    """Every ctypes struct defined in an op's `compiled.py` (found, not listed: a new
+    kernel's mirror is checked without an edit here)."""
+    found = []
+    for op in pkgutil.iter_modules(ops.__path__):
+        name = f"{ops.__name__}.{op.name}.compiled"
+        if op.ispkg and importlib.util.find_spec(name) is not None:
+            module = importlib.import_module(name)
+            found += [v for v in vars(module).values()
+                      if isinstance(v, type) and issubclass(v, ctypes.Structure) and v.__module__ == name]
+    return tuple(sorted(found, key=lambda mirror: mirror.__name__))
+
+
+MIRRORS = ctypes_mirrors()
 
 
 def defined_exports() -> set[str]:
@@ -42,6 +59,11 @@ def test_the_library_describes_every_export(compiled):
     assert compiled.rf_ssd_checkpoint_floats.argtypes == [ctypes.c_int64] * 3
 
 
+def test_every_exported_struct_has_a_mirror(compiled):
+    assert {mirror.__name__ for mirror in MIRRORS} == set(compiled.struct_sizes)
+    assert {"WindowStepWeights", "AttentionStepWeights"} <= {mirror.__name__ for mirror in MIRRORS}
+
+
 @pytest.mark.parametrize("mirror", MIRRORS, ids=lambda m: m.__name__)
 def test_struct_mirrors_have_the_cpp_size(compiled, mirror):
     assert compiled.struct_sizes[mirror.__name__] == ctypes.sizeof(mirror)
@@ -67,6 +89,13 @@ def test_a_mirror_that_differs_is_refused_in_one_line(compiled):
 def test_a_call_with_the_wrong_argument_count_is_refused(compiled):
     with pytest.raises(TypeError, match="op: rf_ssd_checkpoint_floats takes 3 arguments, got 2"):
         kernels.run("op", compiled.rf_ssd_checkpoint_floats, 1, 2)
+
+
+def test_a_function_the_library_does_not_describe_is_refused_in_one_line():
+    undescribed = ctypes.CDLL(None).abs  # any C function without ctypes argtypes
+    with pytest.raises(TypeError, match=r"op: abs is not described by the library; list it with "
+                                        r"RF_EXPORT_FUNCTION\(abs\) after its extern \"C\" block"):
+        kernels.run("op", undescribed, 1)
 
 
 def test_pick_backend_names_and_rule(monkeypatch):

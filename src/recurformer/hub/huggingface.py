@@ -35,6 +35,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 from transformers import CONFIG_MAPPING
 
+from ..config import SUPPORTED_ARCHITECTURES
 from .pypi import say
 from .registry import ModelResolutionError
 
@@ -214,7 +215,7 @@ def _check_model_type(model: HubModel, snapshot: Path) -> Path:
         # [ours] a model type transformers does not know would need the repository's own
         # code (trust_remote_code), which recurformer never runs
         raise ModelResolutionError(f"{model}: model type {model_type!r} is not one transformers knows, so it cannot "
-                                   "be loaded (recurformer converts llama, qwen2 and mistral models)")
+                                   f"be loaded (recurformer converts {', '.join(SUPPORTED_ARCHITECTURES)} models)")
     return snapshot
 
 

@@ -319,6 +319,9 @@ def prepare(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def run(op: str, function, *args) -> None:
     """Call a kernel with exactly the arguments its C++ signature has; its only failure
     (status 1) is running out of memory."""
+    if function.argtypes is None:  # exported, but not listed with RF_EXPORT_FUNCTION (abi.h)
+        raise TypeError(f"{op}: {function.__name__} is not described by the library; list it with "
+                        f"RF_EXPORT_FUNCTION({function.__name__}) after its extern \"C\" block")
     if len(args) != len(function.argtypes):
         raise TypeError(f"{op}: {function.__name__} takes {len(function.argtypes)} arguments, got {len(args)}")
     if function(*args) != 0:
