@@ -31,8 +31,7 @@ def tail_nll(model, tokens, start):
     return F.cross_entropy(logits[:, start - 1:-1].transpose(1, 2), tokens[:, start:]).item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_a_cost_is_what_converting_that_group_alone_to_the_window_mixer_costs(arch):
+def test_a_cost_is_what_converting_that_group_alone_to_the_window_mixer_costs(arch):  # every family (conftest's arch)
     model = tiny_model(arch)
     tokens = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(0))
     result = measure_ablation(model, tokens, SETTINGS, progress=False)

@@ -39,7 +39,7 @@ def defined_exports() -> set[str]:
     names = set()
     for name in kernels.SOURCES:
         text = (kernels.SOURCE_DIR / name).read_text()
-        names |= set(re.findall(r"^(?:int|int64_t|const char\*) (rf_\w+)\(", text, re.M))
+        names |= set(re.findall(r"^(?:int|int64_t|float|double|void\*|const char\*) (rf_\w+)\(", text, re.M))
     return names
 
 
