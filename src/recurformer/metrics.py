@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .mixers import MIXERS, kinds_reading
+from .mixers import kinds_reading
+from .recipe import recipe_for
 
 MIB = 2**20
 
@@ -171,7 +172,7 @@ RUN_METRICS: tuple[Metric, ...] = (
     Metric("ssd_state", "Mamba-2 state size per head", _mixer_field("ssd_state")),
     _config("scorer", "head scorer"),
     _config("budget_minutes", "training budget (minutes)"),
-    Metric("recipe", "training recipe (recipe.py)", lambda r: r.config.get("recipe_name") or MIXERS[r.config["mixer"]].recipe),
+    Metric("recipe", "training recipe (recipe.py)", lambda r: recipe_for(r.config["mixer"], r.config.get("recipe_name")).name),
     Metric("retrieval_share", "share of training sequences with facts and questions",
            lambda r: r.config.get("retrieval_share", 0.0), "{:.0%}"),
     _config("seed", "seed"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..ops import kernels
-from ..ops.backends import canonical, pick_backend
+from ..ops.backends import pick_backend
 from ..ops.module_kernels import KernelsByModule, records_gradients
 from ..ops.window_step import WindowStepKernel
 from .base import Mixer, PositionEmbeddings
@@ -26,7 +26,7 @@ def compiled_step(mixer: Mixer, x: Tensor) -> WindowStepKernel | None:
     suit them (CPU, fp32 or bf16 activations, every parameter in their dtype, an fp32
     `state_dtype` where the kind keeps a state). `compiled` with unsuitable tensors raises
     a one-line error."""
-    backend = canonical(mixer.config.scan_backend)
+    backend = mixer.config.scan_backend  # already under its present name (MixerConfig)
     if (backend != "auto" and backend != "compiled") or records_gradients(mixer, x):
         return None
     kernel = _kernels.get(mixer, x.dtype)
