@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test smoke test-all demo bench clean
+.PHONY: install test smoke test-all demo bench clean gpu-check
 
 install: $(STAMP)
 
@@ -42,3 +42,11 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# On a machine with a CUDA GPU, no install needed beyond its own PyTorch, Triton and
+# transformers (GPU_PYTHON): the tests marked cuda, then the GPU benchmark into GPU_OUT.
+# About 10 minutes on one H100 (docs/gpu.md).
+GPU_PYTHON ?= python3
+GPU_OUT    ?= docs/results
+gpu-check:
+	GPU_PYTHON=$(GPU_PYTHON) GPU_OUT=$(GPU_OUT) bash benchmarks/gpu_check.sh

@@ -7,6 +7,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from tiny_models import ARCHITECTURES  # noqa: E402
 
 from recurformer.ops import kernels
@@ -15,6 +16,25 @@ from recurformer.ops import kernels
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request):
     return request.param
+
+
+# Tests marked `cuda` need a CUDA GPU: skipped without one (CI), run by `make gpu-check`.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (make gpu-check)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Each test that takes it runs on the CPU, and on the GPU where there is one."""
+    return torch.device(request.param)
 
 
 @pytest.fixture(scope="session")

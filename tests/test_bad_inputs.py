@@ -449,3 +449,33 @@ def test_marker_and_lock_stay_out_of_model_files(ws, capsys):
     assert (ws / "out" / MARKER).is_file() and not (ws / "out" / LOCK).exists()
     assert not [p for p in ws.iterdir() if ".partial" in p.name]
     assert main([str(a) for a in generate(ws / "out")]) == 0
+
+
+# --- a device or precision that cannot be had (issue 47) ---------------------------------
+
+
+def bench(ws, *extra):
+    return ("bench", ws / "converted", "--contexts", 16, "--out", ws / "bench.json", *extra)
+
+
+def train(ws, *extra):
+    return ("train", ws / "converted", "--data", ws / "text.txt", *TRAIN, "--out", ws / "out", *extra)
+
+
+@pytest.mark.parametrize("command", [
+    lambda ws: generate(ws / "converted"), lambda ws: evaluate(ws, ws / "converted"),
+    lambda ws: analyze(ws, ws / "scores2.json"), lambda ws: bench(ws), lambda ws: train(ws),
+], ids=["generate", "eval", "analyze", "bench", "train"])
+@pytest.mark.parametrize("flags, fragment", [
+    (("--device", "tpu"), "--device: unknown 'tpu'"),
+    (("--device", "cuda:"), "--device: unknown 'cuda:'"),
+    *([(("--device", "cuda"), "--device cuda: no CUDA GPU is available here")] if not torch.cuda.is_available() else []),
+])
+def test_a_device_that_cannot_be_had_is_one_line(ws, capsys, command, flags, fragment):
+    refused(capsys, ws, (*command(ws), *flags), fragment)
+
+
+@pytest.mark.parametrize("command", [lambda ws: generate(ws / "converted"), lambda ws: analyze(ws, ws / "scores2.json")],
+                         ids=["generate", "analyze"])
+def test_an_unknown_precision_is_one_line(ws, capsys, command):
+    refused(capsys, ws, (*command(ws), "--precision", "fp8"), "--precision: unknown 'fp8'")

@@ -289,13 +289,13 @@ def test_prefill_once_decodes_every_round_from_a_copy_of_one_prefilled_cache(mon
             return _forward(*args, **kwargs)
 
         monkeypatch.setattr(net, "forward", counting)
-    decode = bench._decode
+    decode = bench.timed_decode
 
     def recording(model, step_call, cache, *args):
         starts.append(int(cache.get_seq_length()))
         return decode(model, step_call, cache, *args)
 
-    monkeypatch.setattr(bench, "_decode", recording)
+    monkeypatch.setattr(bench, "timed_decode", recording)
     result = compare({"original": (model, "dynamic"), "half": (converted, "hybrid")}, ["original"], [24], decode_steps=3,
                      rounds=3, batches=[2], prefill_once=True)
     assert len(prefills) == 2 + 2  # one warm-up and one measured prefill per model

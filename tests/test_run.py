@@ -58,12 +58,20 @@ def texts(tmp_path):
         (dict(retrieval_share=1.5), ConfigError, r"--retrieval-share must be in \[0, 1\], got 1.5"),
         (dict(retrieval_share=-0.1), ConfigError, r"--retrieval-share must be in \[0, 1\], got -0.1"),
         (dict(retrieval_share=float("nan")), ConfigError, r"--retrieval-share must be in \[0, 1\], got nan"),
+        (dict(device="tpu"), ConfigError, "--device: unknown 'tpu'"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
     train, held_out = texts
     with pytest.raises(error, match=message):
         RunConfig(**{"data": train, "eval_data": held_out, **change})
+
+
+def test_the_device_is_not_part_of_a_runs_identity(texts):
+    """A run started on one device continues on another: run.json does not record it."""
+    train, held_out = texts
+    here = RunConfig(data=train, eval_data=held_out, device="cpu")
+    assert "device" not in here.to_dict() and here.to_dict() == RunConfig(data=train, eval_data=held_out).to_dict()
 
 
 def test_a_missing_shared_corpus_is_named_not_skipped(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from .attention_hook import attention_hook
 from .config import ConfigError, groups_to_replace, option, require
 from .data import DataError, check_length, count_tokens, token_sequences
+from .device import to_model
 from .files import write_json_atomic
 from .mixers import MixerConfig
 from .ops.window import window_attention
@@ -139,13 +140,14 @@ class Windowing:
 
         query `[B, H, T, D]`, key/value `[B, Hkv, T, D]` -> output `[B, T, H, D]`, None.
         Sequences are packed text without padding, so the mask is plain causal. The windowed
-        (row, group) pairs go through `ops.window` together, as a batch of single-group rows.
+        (row, group) pairs go through `ops.window` together, as a batch of single-group rows; which
+        they are is worked out on the host (`fixed` and `groups` live there).
         """
         size = module.num_key_value_groups
         out = F.scaled_dot_product_attention(query, repeat_kv(key, size), repeat_kv(value, size), is_causal=True,
                                              scale=scaling)
-        windowed = self.rows(module.layer_idx, query.shape[0]).to(query.device)  # [B, Hkv]
-        rows, groups = windowed.nonzero(as_tuple=True)
+        rows, groups = self.rows(module.layer_idx, query.shape[0]).nonzero(as_tuple=True)  # of [B, Hkv]
+        rows, groups = rows.to(query.device), groups.to(query.device)
         if len(rows):
             q = query.unflatten(1, (-1, size))[rows, groups].transpose(1, 2)  # [n, T, size, D]
             k, v = key[rows, groups][:, :, None], value[rows, groups][:, :, None]  # [n, T, 1, D]
@@ -164,14 +166,14 @@ def _check_window(config, seq_len: int) -> None:
 
 def counted_from(tokens: Tensor, start: int) -> Tensor:
     """`[N, T]` bool: the tokens at positions >= `start` of every sequence."""
-    return (torch.arange(tokens.shape[1]) >= start).expand(tokens.shape[0], -1)
+    return (torch.arange(tokens.shape[1], device=tokens.device) >= start).expand(tokens.shape[0], -1)
 
 
 def _token_nll(model, hidden: Tensor, tokens: Tensor, counted: Tensor, chunk: int = 256) -> Tensor:
     """Mean NLL per row `[B]` of the tokens `counted` `[B, T]` (bool, never position 0) marks,
     each predicted from the hidden state `[B, T, d]` (last layer's output) of the one before it."""
     positions = counted.any(0).nonzero().squeeze(1)  # [P] positions some row counts
-    total = torch.zeros(hidden.shape[0], dtype=torch.float64)
+    total = torch.zeros(hidden.shape[0], dtype=torch.float64, device=hidden.device)
     for first in range(0, len(positions), chunk):
         at = positions[first:first + chunk]
         logits = model.lm_head(model.model.norm(hidden[:, at - 1])).float()  # [B, C, V]
@@ -191,8 +193,8 @@ def _run_layers(model, hidden: Tensor, first: int, last: int, position_embedding
 def _checkpoint_key(model, tokens: Tensor, counted: Tensor | None, config: AblationConfig) -> dict:
     """What a checkpoint's costs depend on: the model's fingerprint, the tokens, which of them
     count (None: the default, `ablation_from` on) and the settings."""
-    marks = b"" if counted is None else counted.numpy().tobytes()
-    digest = hashlib.sha256(tokens.numpy().tobytes() + marks).hexdigest()[:16]
+    marks = b"" if counted is None else counted.cpu().numpy().tobytes()
+    digest = hashlib.sha256(tokens.cpu().numpy().tobytes() + marks).hexdigest()[:16]
     return {"fingerprint": model_fingerprint(model), "tokens": digest, "shape": list(tokens.shape), **asdict(config)}
 
 
@@ -217,7 +219,7 @@ def _score_round(model, tokens: Tensor, counted: Tensor, windowing: Windowing, f
     base), calls `saved()` after each layer that scored any. Returns the base NLL."""
     count, length = tokens.shape
     layers = model.config.num_hidden_layers
-    positions = torch.arange(length)[None]
+    positions = torch.arange(length, device=tokens.device)[None]
     hidden = model.model.embed_tokens(tokens)
     position_embeddings = model.model.rotary_emb(hidden, positions)
     windowing.point(fixed)
@@ -273,6 +275,7 @@ def measure_ablation(
         counted = counted_from(tokens, config.ablation_from)
     require(counted.shape == tokens.shape and counted.dtype == torch.bool and not counted[:, 0].any()
             and bool(counted.any(1).all()), "ablation: `counted` must mark, in every sequence, tokens after the first")
+    tokens, counted = to_model(model, tokens, counted)
     done = _load_checkpoint(checkpoint, key)
 
     def saved() -> None:

@@ -39,7 +39,8 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 
 from .cache import CACHE_ARGUMENT, HybridCache
 from .config import ConfigError, option, require
-from .memory import PeakMemory
+from .device import DEVICE_HELP, describe, resolve_device, resolve_dtype, synchronize
+from .memory import peak_memory
 from .mixers import STATE_DTYPES
 
 
@@ -85,6 +86,7 @@ class BenchConfig:
     budget_gib: float = option(1.0, "cache budget (GiB): the longest context (one sequence) and the largest batch "
                                "(at the longest context) whose cache fits it")
     dtype: str = option("float32", f"dtype both models are loaded in ({', '.join(DTYPES)})", parse=parse_dtype)
+    device: str = option("auto", DEVICE_HELP)
     compile: bool = option(False, "also time the original's static-cache decode under torch.compile, as generate "
                            "compiles it (compile time reported apart)")
     prefill_once: bool = option(False, "prefill each model once per context and batch and decode every round from a "
@@ -98,10 +100,15 @@ class BenchConfig:
         require(self.rounds >= 1, f"--rounds must be >= 1, got {self.rounds}")
         require(self.budget_gib > 0, f"--budget-gib must be > 0, got {self.budget_gib}")
         parse_dtype(self.dtype)
+        resolve_dtype(self.dtype, resolve_device(self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
 
 
 @dataclass
@@ -189,23 +196,26 @@ def measure(
     prefilled cache (rounds `round`, `round + 1`, ...): every repeat shares the one prefill
     time, and peak memory is not measured (the copy would count in it; `None`)."""
     require(not compiled or warmup >= 1, "a compiled decode needs at least one untimed step (it compiles)")
-    ids, mask = padded_prompts(model.config.get_text_config().vocab_size, batch, context, seed)
+    device = model.device
+    ids, mask = (t.to(device) for t in padded_prompts(model.config.get_text_config().vocab_size, batch, context, seed))
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     step_call = model.get_compiled_call(CompileConfig()) if compiled else model
-    with PeakMemory(interval=0.002, settle=True) as memory:
+    with peak_memory(device, interval=0.002, settle=True) as memory:
         prefilled = new_cache(model, cache, context + warmup + decode_steps + 1)
+        synchronize(device)
         start = time.perf_counter()
         out = model(**generation_inputs(model, ids, prefilled, mask, positions, first=True), logits_to_keep=1)
+        synchronize(device)
         prefill = time.perf_counter() - start
         kv, reserved, state = cache_bytes(prefilled)
         first = out.logits[:, -1:].argmax(-1)
         del out
         if repeats == 1:
-            times = _decode(model, step_call, prefilled, first, mask, positions, warmup + decode_steps)
+            times = timed_decode(model, step_call, prefilled, first, mask, positions, warmup + decode_steps)
     if repeats == 1:
         all_times, peak = [times], memory.growth
     else:
-        all_times = [_decode(model, step_call, copy.deepcopy(prefilled), first, mask, positions, warmup + decode_steps)
+        all_times = [timed_decode(model, step_call, copy.deepcopy(prefilled), first, mask, positions, warmup + decode_steps)
                      for _ in range(repeats)]
         peak = None
     del prefilled
@@ -217,7 +227,7 @@ def measure(
     return rows
 
 
-def _decode(model, step_call, cache, token: Tensor, mask: Tensor, positions: Tensor, steps: int) -> list[float]:
+def timed_decode(model, step_call, cache, token: Tensor, mask: Tensor, positions: Tensor, steps: int) -> list[float]:
     """Greedy decode `steps` tokens after `token` `[B, 1]` into `cache`; each step's seconds."""
     times = []
     for _ in range(steps):
@@ -226,6 +236,7 @@ def _decode(model, step_call, cache, token: Tensor, mask: Tensor, positions: Ten
         positions = positions[:, -1:] + 1
         out = step_call(**generation_inputs(model, token, cache, mask, positions, first=False))
         token = out.logits[:, -1:].argmax(-1)
+        synchronize(token.device)  # a GPU step is done when its token is
         times.append(time.perf_counter() - start)
     return times
 
@@ -292,6 +303,7 @@ def compare(
         "baselines": baselines, "contexts": contexts, "batches": list(batches), "decode_steps": decode_steps,
         "rounds": rounds, "prefill_once": prefill_once, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "dtype": str(next(iter(contenders.values())).model.dtype).removeprefix("torch."),
+        "device": describe(next(iter(contenders.values())).model.device),
         "measurements": [r.to_dict() for r in rows], "ratios": ratios,
         "cache_budget": _budgets(rows, max(contexts), min(batches), budget_bytes),
         "compile_s": compile_s, "skipped": skipped,

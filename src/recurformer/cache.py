@@ -167,6 +167,22 @@ class HybridCache(Cache):
             layer.mixer_state = mixer.allocate_state(batch, dtype, device)
         return layer.mixer_state
 
+    def repeat_rows(self, batch: int, capacity: int) -> None:
+        """Make a cache of one row (a prefilled prompt) `batch` identical rows, in place, with K/V
+        buffers of `capacity` tokens (>= those held): what serving `batch` requests of that
+        prompt holds, allocated once at its final size (`batch_repeat_interleave` would
+        allocate the rows, then copy them again when the buffers next grow)."""
+        for layer in self.layers:
+            if layer._key_buffer is not None:
+                if capacity < layer.tokens or layer.keys.shape[0] != 1:
+                    raise ValueError(f"repeat_rows: needs one row and capacity >= {layer.tokens} tokens")
+                shape = (batch, layer.keys.shape[1], capacity, layer.keys.shape[-1])
+                keys, values = layer.keys.new_empty(shape), layer.values.new_empty(shape)
+                keys[:, :, : layer.tokens], values[:, :, : layer.tokens] = layer.keys, layer.values
+                layer._key_buffer, layer._value_buffer = keys, values
+                layer._view()
+            layer._map_state(lambda t: t.expand(batch, *t.shape[1:]).clone())
+
     def nbytes(self) -> dict[str, int]:
         """Bytes by kind: `kv` (the kept heads' keys and values), `kv_reserved` (their
         buffers, at most one block of tokens more), `mixer_state`, and `total` (kv + state)."""

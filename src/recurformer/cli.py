@@ -23,6 +23,7 @@ from .ablation import AblationConfig
 from .bench import BenchConfig
 from .config import ConfigError
 from .dataset_ids import text_file
+from .device import Placement
 from .errors import RecurformerError
 from .evaluate import TASKS
 from .hub import with_revision
@@ -139,7 +140,8 @@ def build(cls: type, args: argparse.Namespace, **extra: Any):
 def cmd_analyze(args: argparse.Namespace) -> int:
     analysis, selection = build(AnalysisConfig, args), build(SelectionConfig, args)
     scores = commands.analyze_command(with_revision(args.model, args.revision), args.data, args.out, plot=args.plot,
-                                      analysis=analysis, selection=selection, ablation=build(AblationConfig, args))
+                                      analysis=analysis, selection=selection, ablation=build(AblationConfig, args),
+                                      placement=build(Placement, args))
     values = [v for row in scores.groups[scores.metric] for v in row]
     print(f"scored {len(values)} KV groups on {scores.sequences} x {scores.seq_len} tokens; "
           f"{scores.metric}: min {min(values):.3f}, max {max(values):.3f}; wrote {args.out}")
@@ -170,7 +172,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for task in TASKS.values() for name in task.option_names()
                if getattr(args, name, None) is not None}
-    print(json.dumps(commands.eval_command(with_revision(args.model, args.revision), args.task, args.out, **options)))
+    print(json.dumps(commands.eval_command(with_revision(args.model, args.revision), args.task, args.out,
+                                           placement=build(Placement, args), **options)))
     return 0
 
 
@@ -184,7 +187,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     options = build(commands.GenerationOptions, args)
-    print(commands.generate_command(with_revision(args.model, args.revision), args.prompt, options))
+    print(commands.generate_command(with_revision(args.model, args.revision), args.prompt, options,
+                                    placement=build(Placement, args)))
     return 0
 
 
@@ -235,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, AnalysisConfig)
     add_options(p, SelectionConfig)
     add_options(p, AblationConfig)
+    add_options(p, Placement)
     p.set_defaults(func=cmd_analyze)
 
     p = subcommands.add_parser("convert", help="replace the top-beta KV groups by mixers and save the model")
@@ -270,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", required=True, help=f"one of {tasks} (docs/tasks.md)")
     p.add_argument("--out", help="metrics JSON to write")
     _eval_options(p)
+    add_options(p, Placement)
     p.set_defaults(func=cmd_eval)
 
     p = subcommands.add_parser("bench", help="cache bytes, prefill and decode speed against the original model")
@@ -287,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help=revision_help)
     p.add_argument("--prompt", required=True, help="the text to continue")
     add_options(p, commands.GenerationOptions)
+    add_options(p, Placement)
     p.set_defaults(func=cmd_generate)
 
     p = subcommands.add_parser("run", help="the whole method end to end: analyze, convert, train, evaluate, bench, report")

@@ -16,11 +16,12 @@ from .ablation import AblationConfig
 from .bench import BenchConfig, against_original
 from .checks import read_json_object, require_finite
 from .config import option, require
+from .device import Placement
 from .data import check_length, load_documents, not_found, token_sequences
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
-from .loading import check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
+from .loading import CPU, check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
 from .mixers import MixerConfig
 from .modeling import check_architecture
 from .outputs import check_output, check_replaceable, claim_folder, size_of
@@ -47,7 +48,7 @@ def ablation_checkpoint(out: str | Path) -> Path:
 
 def analyze_command(model: str, data: list[str], out: str, plot: str | None = None,
                     analysis: AnalysisConfig = AnalysisConfig(), selection: SelectionConfig = SelectionConfig(),
-                    ablation: AblationConfig = AblationConfig()) -> HeadScores:
+                    ablation: AblationConfig = AblationConfig(), placement: Placement = CPU) -> HeadScores:
     """Score every head of `model` on `data`; write the scores (and the heatmap, with the
     groups `selection` would replace marked). With `--scorer ablation` (`ablation-greedy`), also
     each group's ablation cost (and the greedy order); an interrupted run resumes from the
@@ -59,7 +60,7 @@ def analyze_command(model: str, data: list[str], out: str, plot: str | None = No
         check_output(plot, inputs, folder=False, flag="--plot")
     sweep_staging(Path(out).parent)  # temporary files of an analyze that was killed
     documents = load_documents(data)
-    net, tokenizer, _ = load_model(model)
+    net, tokenizer, _ = load_model(model, dtype=placement.torch_dtype, device=placement.torch_device)
     check_architecture(net.config)
     return analyze_heads(net, tokenizer, documents, analysis, selection, ablation, str(model), [str(p) for p in data],
                          out, ablation_checkpoint(out), plot=plot)
@@ -129,10 +130,10 @@ def train_command(directory: str, data: list[str], out: str, config: TrainConfig
     return summary
 
 
-def eval_command(model: str, task: str, out: str | None = None, **options) -> dict:
+def eval_command(model: str, task: str, out: str | None = None, placement: Placement = CPU, **options) -> dict:
     """Evaluate `model` (converted directory, model directory or known name) on `task`
-    (`name` or `name:argument`, see `recurformer.evaluate`); `options` are the task's
-    options (None: the task's default)."""
+    (`name` or `name:argument`, see `recurformer.evaluate`) where `placement` puts it;
+    `options` are the task's options (None: the task's default)."""
     chosen, argument = lookup_task(task)
     settings = make_options(chosen, {**options, **argument})
     missing = [path for path in getattr(settings, "data", []) if not Path(path).is_file()]
@@ -140,7 +141,7 @@ def eval_command(model: str, task: str, out: str | None = None, **options) -> di
         raise not_found(missing[0])
     if out:
         check_output(out, [model_path(model), *getattr(settings, "data", [])], SMALL_OUTPUT_BYTES, folder=False)
-    net, tokenizer = load_any(model)
+    net, tokenizer = load_any(model, placement)
     metrics = {"model": str(model), "task": chosen.name, **chosen.measure(net.eval(), tokenizer, settings)}
     require_finite(metrics, f"--task {chosen.name} on {model}")  # never a NaN written as a result
     if out:
@@ -155,7 +156,7 @@ def bench_command(directories: list[str], out: str, config: BenchConfig = BenchC
     check_output(out, directories, SMALL_OUTPUT_BYTES, folder=False)
     if plot:
         check_output(plot, directories, folder=False, flag="--plot")
-    converted = {str(d): load_converted(d, dtype=config.torch_dtype)[0] for d in directories}
+    converted = {str(d): load_converted(d, config.torch_dtype, config.torch_device)[0] for d in directories}
     original = load_teacher(next(iter(converted.values())), baseline, dtype=config.torch_dtype)
     result = against_original(converted, original, config, progress=lambda m: print(f"bench: {m}", flush=True))
     write_json_atomic(out, result)
@@ -175,12 +176,13 @@ class GenerationOptions:
         require(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
 
 
-def generate_command(model: str, prompt: str, options: GenerationOptions = GenerationOptions()) -> str:
+def generate_command(model: str, prompt: str, options: GenerationOptions = GenerationOptions(),
+                     placement: Placement = CPU) -> str:
     """The continuation of `prompt` (greedy when the temperature is 0, else sampled)."""
     require(bool(prompt), "--prompt is empty")
-    net, tokenizer = load_any(model)
+    net, tokenizer = load_any(model, placement)
     torch.manual_seed(options.seed)
-    ids = tokenizer(prompt, return_tensors="pt")
+    ids = tokenizer(prompt, return_tensors="pt").to(net.device)
     sampling = dict(do_sample=True, temperature=options.temperature) if options.temperature > 0 else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generated = net.eval().generate(**ids, max_new_tokens=options.max_new_tokens, pad_token_id=pad, **sampling)

@@ -14,6 +14,7 @@ import torch
 
 from .cache import CACHE_ARGUMENT
 from .config import ReplacementSpec
+from .device import model_device
 from .mixers import MixerConfig
 from .surgery import convert
 
@@ -22,7 +23,7 @@ from .surgery import convert
 def mixer_state_bytes(model) -> int:
     """Bytes of the replaced groups' state in `model`'s cache (batch 1). Every mixer allocates
     its state whole on first use, so a two-token forward shows its size at any length."""
-    cache = model(torch.zeros(1, 2, dtype=torch.long), use_cache=True)[CACHE_ARGUMENT]
+    cache = model(torch.zeros(1, 2, dtype=torch.long, device=model_device(model)), use_cache=True)[CACHE_ARGUMENT]
     return cache.nbytes()["mixer_state"]
 
 

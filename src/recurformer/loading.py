@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .checks import DamagedFileError, check_finite_weights, check_model_folder, read_json_object, weight_files
 from .config import ConfigError
+from .device import Placement
 from .files import atomic_directory, atomic_members
 from .hub import local_directory, model_path, model_type_of, resolve_model, source_name
 from .model_card import write_model_card
@@ -19,11 +20,12 @@ from .outputs import mark
 from .surgery import model_fingerprint
 
 RECURFORMER_TYPE = "recurformer"
+CPU = Placement("cpu", "float32")  # what the library loads in unless told otherwise
 
 
-def load_checked(directory: str | Path, dtype: torch.dtype = torch.float32):
-    """(model in `dtype` (fp32) eval mode, tokenizer) of a model directory, its files checked first
-    (`checks.check_model_folder`) and its weights after loading (no NaN or inf)."""
+def load_checked(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """(model in `dtype` (fp32) eval mode on `device`, tokenizer) of a model directory, its files
+    checked first (`checks.check_model_folder`) and its weights after loading (no NaN or inf)."""
     directory = Path(directory)
     check_model_folder(directory)
     try:
@@ -32,7 +34,7 @@ def load_checked(directory: str | Path, dtype: torch.dtype = torch.float32):
         raise DamagedFileError(f"{directory}: its weights cannot be read ({str(error).splitlines()[0]})") from None
     files = weight_files(directory)
     check_finite_weights(model, files[0] if len(files) == 1 else directory)
-    return model, load_tokenizer(directory, model)
+    return model.to(device), load_tokenizer(directory, model)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -50,11 +52,12 @@ def load_tokenizer(directory: Path, model):
                       f"model's tokenizer beside it: tokenizer.save_pretrained('{directory}')")
 
 
-def load_model(name_or_path: str, progress: bool = True, dtype: torch.dtype = torch.float32):
-    """(model in `dtype` (fp32) eval mode, tokenizer, local directory) for a path, a known name or a
-    hub id (`org/name`, `org/name@revision`)."""
+def load_model(name_or_path: str, progress: bool = True, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu"):
+    """(model in `dtype` (fp32) eval mode on `device`, tokenizer, local directory) for a path, a
+    known name or a hub id (`org/name`, `org/name@revision`)."""
     directory = resolve_model(name_or_path, progress=progress)
-    model, tokenizer = load_checked(directory, dtype)
+    model, tokenizer = load_checked(directory, dtype, device)
     return model, tokenizer, directory
 
 
@@ -69,27 +72,30 @@ def is_converted(path: str | Path) -> bool:
     return present and read_json_object(config, "config").get("model_type") == RECURFORMER_TYPE
 
 
-def load_converted(directory: str | Path, dtype: torch.dtype = torch.float32):
-    """(RecurFormer model in `dtype` (fp32), tokenizer) from a directory written by convert or train."""
+def load_converted(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """(RecurFormer model in `dtype` (fp32) on `device`, tokenizer) from a directory written by
+    convert or train."""
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{directory}: not a model directory (no config.json)")
     if not is_converted(path):
         raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
-    return load_checked(path, dtype)
+    return load_checked(path, dtype, device)
 
 
-def load_any(name_or_path: str):
-    """(model, tokenizer) for a converted directory, a model directory or a known name."""
+def load_any(name_or_path: str, placement: Placement = CPU):
+    """(model, tokenizer) for a converted directory, a model directory or a known name, in
+    `placement`'s dtype on its device (default: fp32 on the CPU)."""
+    dtype, device = placement.torch_dtype, placement.torch_device
     if is_converted(name_or_path):
-        return load_converted(name_or_path)
-    model, tokenizer, _ = load_model(name_or_path)
+        return load_converted(name_or_path, dtype, device)
+    model, tokenizer, _ = load_model(name_or_path, dtype=dtype, device=device)
     return model, tokenizer
 
 
 def load_teacher(student, teacher: str | None = None, dtype: torch.dtype = torch.float32):
     """The original model `student` was converted from (`teacher` overrides the recorded
-    name), checked by its weight fingerprint, in `dtype` (fp32)."""
+    name), checked by its weight fingerprint, in `dtype` (fp32), on `student`'s device."""
     name = teacher or student.config.source_model
     if not name:
         raise ConfigError("the model does not record the model it was converted from; pass --teacher")
@@ -102,7 +108,7 @@ def load_teacher(student, teacher: str | None = None, dtype: torch.dtype = torch
         # fp32 model) keeps what transformers keeps in fp32, such as the rotary frequencies.
         del model
         model = load_model(name, progress=False, dtype=dtype)[0]
-    return model
+    return model.to(student.device)
 
 
 def portable_name(model: str) -> str:

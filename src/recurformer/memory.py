@@ -9,6 +9,7 @@ import gc
 import threading
 
 import psutil
+import torch
 
 
 @functools.cache
@@ -68,3 +69,32 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
         self._sample()
+
+
+class GpuPeakMemory:
+    """`PeakMemory` for a CUDA device: `memory.peak`, the most bytes the caching allocator
+    had allocated on `device` while the block ran (exact, not sampled), and `memory.growth`,
+    that peak above what was allocated at its start."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.start = self.peak = 0
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+    def __enter__(self) -> "GpuPeakMemory":
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        self.peak = torch.cuda.max_memory_allocated(self.device)
+
+
+def peak_memory(device, interval: float = 0.05, settle: bool = False):
+    """The peak-memory meter for `device`: `GpuPeakMemory` on a GPU, else `PeakMemory`."""
+    return GpuPeakMemory(device) if torch.device(device).type == "cuda" else PeakMemory(interval, settle)

@@ -63,7 +63,7 @@ class LayerPlan:
 
 def model_fingerprint(model: nn.Module) -> str:
     """A short hash of the first layer's query weights: tells two same-shaped models apart."""
-    weight = model.model.layers[0].self_attn.q_proj.weight.detach().float().contiguous()
+    weight = model.model.layers[0].self_attn.q_proj.weight.detach().float().cpu().contiguous()
     return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
 
 
@@ -150,6 +150,7 @@ def convert(
         raise SurgeryError(f"weights do not match the converted layout: missing {missing[:5]}, unexpected {unexpected[:5]}")
     _copy_buffers(model, converted)
     converted.tie_weights()
+    converted.to(model.device)  # anything the weights did not carry (a mixer's buffers) joins them
     converted.eval()
     return converted
 

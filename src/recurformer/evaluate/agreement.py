@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, option, require
 from ..corpus_sources import shared_corpora, shown_corpora
 from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, load_documents, tokenize_documents
+from ..device import to_model
 from ..loading import RECURFORMER_TYPE, is_converted, load_teacher
 from ..metrics import BASELINE, Metric, Row, per_model
 from .logits import chunked_logits, last_hidden
@@ -31,12 +32,14 @@ from .registry import RunSettings, Task, register
 def agreement(model, reference, windows: Tensor, progress: bool = True) -> dict:
     """Mean KL(reference || model) of the next-token distributions per position, and top-1
     agreement, over `windows` `[N, T]` (every position of every window, each window read
-    from its start)."""
+    from its start; each model reads them on its own device, compared on `model`'s)."""
     kl_sum, same, tokens = 0.0, 0, 0
     for window in tqdm(windows, desc="agreement", unit="window", disable=not progress):
-        hidden, reference_hidden = last_hidden(model, window[None])[0], last_hidden(reference, window[None])[0]
+        hidden = last_hidden(model, *to_model(model, window[None]))[0]
+        reference_hidden = last_hidden(reference, *to_model(reference, window[None]))[0]
         for (_, logits), (_, reference_logits) in zip(chunked_logits(model, hidden),
                                                           chunked_logits(reference, reference_hidden)):
+            reference_logits = reference_logits.to(logits.device)
             log_p, log_q = F.log_softmax(reference_logits, -1), F.log_softmax(logits, -1)
             kl_sum += (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0).sum().item()  # >= 0 per position; rounding is not
             same += (logits.argmax(-1) == reference_logits.argmax(-1)).sum().item()

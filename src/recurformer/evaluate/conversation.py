@@ -27,10 +27,12 @@ EXTRA_TOKENS = 3  # greedy tokens beyond the gold's length: room for what follow
 
 
 def _logits(model, ids: list[int], cache, position: int, cache_key: str, keep: int) -> torch.Tensor:
-    """Logits `[keep, V]` (fp32) of the last `keep` of `ids` fed at `position...` into `cache`."""
-    positions = torch.arange(position, position + len(ids))[None]
-    out = model(input_ids=torch.tensor([ids]), position_ids=positions, use_cache=True, logits_to_keep=keep,
-                **{cache_key: cache})
+    """Logits `[keep, V]` (fp32) of the last `keep` of `ids` fed at `position...` into `cache`, on
+    the model's device (transformers' `model.device`: this file imports nothing but torch)."""
+    device = model.device
+    positions = torch.arange(position, position + len(ids), device=device)[None]
+    out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions, use_cache=True,
+                logits_to_keep=keep, **{cache_key: cache})
     return out.logits[0].float()
 
 
@@ -38,9 +40,10 @@ def teacher_forced(model, cache, position: int, prompt: list[int], gold: list[in
     """Feed `prompt + gold` into `cache` (which it changes): each gold token's log-probability,
     whether each is the greedy token at its place, and the greedy token after the whole gold."""
     logits = _logits(model, prompt + gold, cache, position, cache_key, len(gold) + 1)
-    logprobs = torch.log_softmax(logits[:-1], dim=-1)[torch.arange(len(gold)), torch.tensor(gold)]
+    gold_ids = torch.tensor(gold, device=logits.device)
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)[torch.arange(len(gold), device=logits.device), gold_ids]
     greedy_ids = logits.argmax(dim=-1)
-    return {"logprobs": logprobs.tolist(), "argmax": (greedy_ids[:-1] == torch.tensor(gold)).tolist(),
+    return {"logprobs": logprobs.tolist(), "argmax": (greedy_ids[:-1] == gold_ids).tolist(),
             "next": int(greedy_ids[-1])}
 
 

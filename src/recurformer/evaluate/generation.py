@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import CACHE_ARGUMENT
+from ..device import model_device, to_model
 
 
 @torch.no_grad()
@@ -27,6 +28,7 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
         for row, tokens in enumerate(encoded):
             ids[row, width - len(tokens):] = torch.tensor(tokens)
             mask[row, width - len(tokens):] = 1
+        ids, mask = to_model(model, ids, mask)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         completions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return completions
@@ -44,14 +46,15 @@ def prefilled_answer(model, context: list[int], question: list[int], max_new_tok
     continue the context's whatever the cache now holds, until an `eos` id (not returned),
     `stop(ids)` or `max_new_tokens`."""
     model.eval()
+    device = model_device(model)
     arguments = {} if cache is None else {CACHE_ARGUMENT: cache}
-    out = model(input_ids=torch.tensor([context]), use_cache=True, logits_to_keep=1, **arguments)
+    out = model(input_ids=torch.tensor([context], device=device), use_cache=True, logits_to_keep=1, **arguments)
     cache = out[CACHE_ARGUMENT] if cache is None else cache
     if compress is not None:
         compress(cache, len(context))
-    position, step, answer = len(context), torch.tensor([question]), []
+    position, step, answer = len(context), torch.tensor([question], device=device), []
     while len(answer) < max_new_tokens:
-        positions = torch.arange(position, position + step.shape[1])[None]
+        positions = torch.arange(position, position + step.shape[1], device=device)[None]
         logits = model(input_ids=step, **{CACHE_ARGUMENT: cache}, position_ids=positions, use_cache=True,
                        logits_to_keep=1).logits
         token = int(logits[0, -1].argmax())
@@ -61,5 +64,5 @@ def prefilled_answer(model, context: list[int], question: list[int], max_new_tok
         if stop is not None and stop(answer):
             break
         position += step.shape[1]
-        step = torch.tensor([[token]])
+        step = torch.tensor([[token]], device=device)
     return answer

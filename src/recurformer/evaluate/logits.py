@@ -40,10 +40,10 @@ def chunked_logits(model, hidden: Tensor, chunk: int = CHUNK) -> Iterator[tuple[
 
 @torch.no_grad()
 def greedy_tokens(model, ids: Tensor, chunk: int = CHUNK) -> Tensor:
-    """The most likely next token `[B, T]` after every position of `ids` `[B, T]`: the argmax
-    of the logits, computed `chunk` positions at a time."""
+    """The most likely next token `[B, T]` after every position of `ids` `[B, T]` (on the model's
+    device): the argmax of the logits, computed `chunk` positions at a time."""
     hidden = last_hidden(model, ids)
-    tokens = torch.empty(ids.shape, dtype=torch.long)
+    tokens = torch.empty(ids.shape, dtype=torch.long, device=hidden.device)
     for row in range(len(ids)):
         for part, logits in chunked_logits(model, hidden[row], chunk):
             tokens[row, part] = logits.argmax(-1)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..config import ConfigError, option, require
+from ..device import to_model
 from ..metrics import Metric, Row, per_model
 from ..tasks.mqar import mqar_tokens, score_mqar
 from .logits import greedy_tokens
@@ -28,8 +29,8 @@ def mqar_accuracy(
         data = mqar_tokens(num_examples, seq_len, num_kv_pairs, vocab_size=len(pool), seed=seed)
     except ValueError as error:  # sizes the tokenizer or the context cannot meet: one line, as passkey does
         raise ConfigError(f"--task mqar: {error}") from None
-    ids = pool[data["input_ids"]]
     labels = torch.where(data["labels"] >= 0, pool[data["labels"].clamp_min(0)], data["labels"])
+    ids, labels = to_model(model, pool[data["input_ids"]], labels)
     # the greedy guesses, not the logits: 32 sequences of 1,024 tokens have 6.4 GB of logits
     guesses = torch.cat([greedy_tokens(model, ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)])
     predictions = torch.cat([torch.full_like(guesses[:, :1], -1), guesses[:, :-1]], dim=1)  # aligned with labels

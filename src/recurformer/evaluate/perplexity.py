@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from ..config import option, require
 from ..data import check_length, load_documents, tokenize_documents
+from ..device import to_model
 from ..metrics import BASELINE, MODELS, Metric, Row, per_model
 from .logits import CHUNK, chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
@@ -61,11 +62,12 @@ def perplexity(
     spans = windows(len(ids), context, stride)
     total_nll, total_tokens = 0.0, 0
     model.eval()
+    ids, = to_model(model, ids)
     for first in tqdm(range(0, len(spans), batch_size), desc="perplexity", unit="batch", disable=not progress):
         group = spans[first:first + batch_size]
         width = max(end - start for start, end, _ in group)
-        batch = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
+        batch = torch.zeros(len(group), width, dtype=torch.long, device=ids.device)
+        mask = torch.zeros(len(group), width, dtype=torch.long, device=ids.device)
         for row, (start, end, _) in enumerate(group):  # right padding: causal rows are unaffected
             batch[row, : end - start] = ids[start:end]
             mask[row, : end - start] = 1

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..config import option, require
 from ..corpus_sources import shared_corpora, shown_corpora
 from ..data import EVAL_CORPORA, DataError, load_documents, tokenize_documents
+from ..device import to_model
 from ..metrics import BASELINE, Metric, Row
 from .logits import chunked_logits, last_hidden
 from .registry import RunSettings, Task, register
@@ -51,9 +52,10 @@ def bucket_name(lo: int, hi: int) -> str:
 @torch.no_grad()
 def position_nll(model, sequence: Tensor) -> Tensor:
     """NLL (nats) `[T - 1]` of each token 1..T-1 of `sequence` `[T]` given the tokens before it;
-    entry i belongs to position i + 1."""
+    entry i belongs to position i + 1 (on the model's device)."""
+    sequence, = to_model(model, sequence)
     hidden = last_hidden(model, sequence[None])[0, :-1]
-    nll = torch.empty(len(hidden))
+    nll = torch.empty(len(hidden), device=hidden.device)
     for part, logits in chunked_logits(model, hidden):
         nll[part] = F.cross_entropy(logits, sequence[1:][part], reduction="none")
     return nll
@@ -66,7 +68,7 @@ def loss_by_distance(model, sequences: Tensor, progress: bool = True) -> dict:
     context = sequences.shape[1]
     sums = torch.zeros(context, dtype=torch.float64)  # summed NLL per position (0 is never predicted)
     for sequence in tqdm(sequences, desc="ppl-by-distance", unit="seq", disable=not progress):
-        sums[1:] += position_nll(model, sequence).double()
+        sums[1:] += position_nll(model, sequence).double().cpu()
     per_bucket = []
     for lo, hi in buckets(context):
         first = max(lo, 1)

@@ -20,6 +20,7 @@ from ..cache import CACHE_ARGUMENT
 from ..config import ConfigError, option, require
 from ..corpus_sources import shared_corpora, shown_corpora
 from ..data import DataError, load_documents
+from ..device import model_device
 from ..tasks.ruler import Sources
 from ..tasks.shared_context import FORMATS, KINDS, SharedContext, generate_shared_contexts, is_exact
 from .bootstrap import interval
@@ -125,7 +126,8 @@ def answer_contexts(model, tokenizer, problems: list[SharedContext], modes: tupl
     model.eval()
     for problem in tqdm(problems, desc="shared-context", unit="context", disable=not progress):
         ids = context_ids(tokenizer, problem)
-        prefill = model(input_ids=torch.tensor([ids.context]), use_cache=True, logits_to_keep=1)
+        prefill = model(input_ids=torch.tensor([ids.context], device=model_device(model)), use_cache=True,
+                        logits_to_keep=1)
         answered = ask(model, prefill[CACHE_ARGUMENT], len(ids.context), ids.questions, ids.later, ids.golds, eos,
                        stop, modes, cache_key=CACHE_ARGUMENT)
         out.append(score_context(tokenizer, problem, ids.golds, answered))

@@ -12,6 +12,7 @@ from ..ablation import AblationConfig
 from ..bench import BenchConfig
 from ..config import ConfigError, option, require
 from ..corpus_sources import shared_corpora, shown_corpora
+from ..device import DEVICE_HELP, resolve_device
 from ..data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA, not_found
 from ..loading import check_convertible
 from ..mixers import MIXER_KINDS, MixerConfig, parse_ssd_state, parse_window, resolve_for_model
@@ -76,8 +77,10 @@ class RunConfig:
                                     "(docs/training.md, \"Retrieval in the training data\")")
     quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
     seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
+    device: str = option("auto", DEVICE_HELP + "; where the stages run (a run may continue on another device)")
 
     def __post_init__(self) -> None:
+        resolve_device(self.device)
         check_convertible(self.model)
         require(bool(self.data), "no training data: pass --data FILE...")
         require(bool(self.eval_data), "no evaluation data: pass --eval-data FILE...")
@@ -142,6 +145,7 @@ class RunConfig:
         data["ood_data"] = [str(Path(p).resolve()) for p in self.ood_data]
         data["steps"] = None if self.steps is None else list(self.steps)
         data["lr"] = None if self.lr is None else list(self.lr)
+        del data["device"]  # where it runs, not what it is: not part of the run's identity
         return data
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from ..attention import check_window_fits
 from ..bench import against_original
 from ..checks import check_model_folder, require_finite
 from ..config import check_replaces_some
+from ..device import resolve_device
 from ..data import Corpus, DataError, check_length, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
 from ..evaluate import TASKS, RunSettings, Task
@@ -117,8 +119,13 @@ class Run:
 
     @cached_property
     def _loaded_original(self):
-        model, tokenizer, _ = load_model(self.config.model)
+        model, tokenizer, _ = load_model(self.config.model, device=self.device)
         return model, tokenizer
+
+    @property
+    def device(self):
+        """Where the stages run (`--device`)."""
+        return resolve_device(self.config.device)
 
     @property
     def original(self):
@@ -146,7 +153,7 @@ class Run:
         handed on if it is that one, else loaded from its folder (and held instead)."""
         if self._held is None or self._held[0] != name:
             self.let_go()
-            self._held = (name, load_converted(self.layout.model(name))[0])
+            self._held = (name, load_converted(self.layout.model(name), device=self.device)[0])
         return self._held[1]
 
     def hand_on(self, name: str, model) -> None:
@@ -161,7 +168,8 @@ class Run:
     def train_config(self, stage: str, steps: int) -> TrainConfig:
         """The recipe's `stage` for `steps` optimizer steps, at the run's learning rate."""
         lr = dict(zip(("transfer", "lm"), self.config.learning_rates))[stage]
-        return self.recipe.stage(stage).train_config(stage, steps, self.config.seed, lr=lr)
+        return replace(self.recipe.stage(stage).train_config(stage, steps, self.config.seed, lr=lr),
+                       device=self.config.device)
 
     def task_settings(self) -> RunSettings:
         return RunSettings(quick=self.config.quick, eval_data=list(self.config.eval_data), seed=self.config.seed,
@@ -290,7 +298,7 @@ def evaluate(run: Run) -> dict:
 
 def bench(run: Run) -> dict:
     # named "final", not by its path: a run folder that is moved still finds its measurements
-    result = against_original({"final": run.model("final")}, run.original, run.sizes.bench,
+    result = against_original({"final": run.model("final")}, run.original, replace(run.sizes.bench, device=run.config.device),
                               progress=lambda m: print(f"bench: {m}", flush=True))
     write_json_atomic(run.layout.bench, result)
     plot_bench(result, run.layout.bench_plot)

@@ -34,6 +34,7 @@ from ..ablation import Ablation, AblationConfig, calibration_sequences, measure_
 from ..attention_hook import attention_hook
 from ..config import ConfigError, option, require
 from ..data import check_length, token_sequences
+from ..device import to_model
 from ..retrieval_probe import probe_sequences
 from ..surgery import model_fingerprint
 from .head_scores import HeadScores
@@ -51,7 +52,8 @@ class RecencyStatistics:
     """Running sums of the statistics, per layer and query head.
 
     `add(layer, probs)` takes one layer's attention probabilities `[B, H, T, T]` (causal,
-    rows summing to 1) and adds each sequence's per-head means.
+    rows summing to 1) on any device, and adds each sequence's per-head means to the sums,
+    kept on the host.
     """
 
     def __init__(self, num_layers: int, num_heads: int, windows: tuple[int, ...]):
@@ -80,10 +82,10 @@ class RecencyStatistics:
             if d + 1 in self.windows:
                 w = d + 1
                 with_sink = band + sink * (first < w)
-                self.sums[f"rr_{w}"][layer] += with_sink.mean(-1).sum(0).double()
+                self.sums[f"rr_{w}"][layer] += with_sink.mean(-1).sum(0).double().cpu()
                 if length > 1:
-                    self.sums[f"rr_{w}_no_sink"][layer] += (band[..., 1:] / rest).mean(-1).sum(0).double()
-        self.sums["sink"][layer] += sink.mean(-1).sum(0).double()
+                    self.sums[f"rr_{w}_no_sink"][layer] += (band[..., 1:] / rest).mean(-1).sum(0).double().cpu()
+        self.sums["sink"][layer] += sink.mean(-1).sum(0).double().cpu()
         self.sequences[layer] += batch
 
     def means(self) -> dict[str, list[list[float]]]:
@@ -129,7 +131,7 @@ def analyze(
     model.eval()
     with attention_hook(model, partial(stats_attention, stats)):
         for start in tqdm(range(0, len(sequences), batch_size), desc="analyze", unit="batch", disable=not progress):
-            model(sequences[start:start + batch_size], use_cache=False)
+            model(*to_model(model, sequences[start:start + batch_size]), use_cache=False)
     return HeadScores(
         model=model_name, num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, window=window, windows=sorted(set(windows) | {window}),

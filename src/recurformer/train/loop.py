@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..checks import DamagedFileError, check_pickle, check_safetensors, read_json_object
 from ..config import ConfigError, option, require
+from ..device import DEVICE_HELP, model_device, resolve_device, synchronize
 from ..errors import RecurformerError
 from ..files import replace_directory, write_json_atomic, write_text_atomic
 
@@ -78,6 +79,7 @@ class TrainConfig:
     ce_weight: float = option(1.0, "lm stage: weight of the next-token cross-entropy (0: KL to the original only)")
     lora_rank: int = option(8, "lm stage: rank of the LoRA adapters (mixers+lora)")
     precision: str = option("auto", "auto (bf16 where bf16 matmuls are fast) | no | bf16")
+    device: str = option("auto", DEVICE_HELP)
     checkpoint_every: int = option(50, "steps between checkpoints")
     seed: int = option(0, "seeds the data order and the initialization")
 
@@ -103,6 +105,7 @@ class TrainConfig:
                 "--ce-weight 0 needs --distill-weight > 0: the loss would be zero")
         require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
         require(self.precision in PRECISIONS, f"--precision: unknown {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        resolve_device(self.device)
         require(self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
 
     @property
@@ -167,17 +170,17 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def resolve_precision(choice: str) -> str:
+def resolve_precision(choice: str, device: str = "auto") -> str:
     """`auto`: bf16 autocast where bf16 matmuls are fast (CUDA with bf16, CPUs with AMX,
-    where we measured 6.4x the fp32 matmul rate), else fp32."""
+    where we measured 6.4x the fp32 matmul rate), else fp32; on `device`."""
     if choice != "auto":
         return choice
-    if torch.cuda.is_available():
+    if resolve_device(device).type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     return "bf16" if _cpu_has_amx() else "no"
 
 
-def _accelerator(precision: str) -> Accelerator:
+def _accelerator(precision: str, device: str = "auto") -> Accelerator:
     """An Accelerator in `precision`. accelerate keeps one state per process and refuses a
     second precision in it, but one process may train several times in different
     precisions (a study, a test session): a single-process state made for another
@@ -187,7 +190,8 @@ def _accelerator(precision: str) -> Accelerator:
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != precision and PartialState().num_processes == 1:
         AcceleratorState._reset_state()
-    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False)
+    return Accelerator(mixed_precision=precision, cpu=resolve_device(device).type == "cpu",
+                       step_scheduler_with_optimizer=False)
 
 
 def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config: TrainConfig) -> float:
@@ -202,14 +206,15 @@ def seconds_per_step(model: nn.Module, make_objective, sequences: Tensor, config
     trial = copy.deepcopy(model)
     objective = make_objective(trial)
     module = objective.prepare(trial)
-    micro = sequences[:1]
-    bf16 = resolve_precision(config.precision) == "bf16"
+    micro = sequences[:1].to(model_device(trial))
+    bf16 = resolve_precision(config.precision, config.device) == "bf16"
     seconds = 0.0
     for _ in range(2):
         start = time.perf_counter()
         with torch.autocast(micro.device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, _ = objective.loss(module, micro)
         loss.backward()
+        synchronize(micro.device)
         seconds = time.perf_counter() - start
     objective.finish(module)
     return seconds * config.batch_size
@@ -234,7 +239,7 @@ def train(
     `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
     """
     out_dir = Path(out_dir)
-    accelerator = _accelerator(resolve_precision(config.precision))
+    accelerator = _accelerator(resolve_precision(config.precision, config.device), config.device)
     world, rank = accelerator.num_processes, accelerator.process_index
     per_process = config.batch_size // world
     require(per_process * world == config.batch_size, f"--batch-size {config.batch_size} is not divisible by {world} processes")
@@ -255,6 +260,8 @@ def train(
         optimizer, lambda s: lr_factor(s, total, config.warmup, config.min_lr_ratio)
     )
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+    if getattr(objective, "teacher", None) is not None:  # the original runs beside the student
+        objective.teacher.to(accelerator.device)
 
     checkpoint = out_dir / CHECKPOINT
     start_step, elapsed_before = 0, 0.0

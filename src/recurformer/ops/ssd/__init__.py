@@ -2,19 +2,20 @@
 
 Backends (`ops/backends.py`): `naive` (fp32 loop, the oracle), `torch` (the chunked,
 matmul-based PyTorch scan, autograd), `compiled` (our C++ kernel, CPU, built on first use:
-`ops/kernels.py`), `cuda` (mamba-ssm's kernel, only when it imports and the tensors are on
-a GPU). `auto` picks `cuda` when usable, else `compiled` when it is built and takes the
+`ops/kernels.py`), `cuda` (mamba-ssm's kernel, else flash-linear-attention's, only when one imports and
+the tensors are on a GPU). `auto` picks `cuda` when usable, else `compiled` when it is built and takes the
 tensors (CPU, fp32 or bf16), else `torch`.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..backends import BACKENDS, pick_backend
 from .chunked import DEFAULT_CHUNK, ssd_chunked
 from .compiled import ssd_compiled
-from .cuda import cuda_available, ssd_cuda
+from .cuda import cuda_available, gpu_kernel, ssd_cuda
 from .naive import per_head, ssd_naive
 
 
@@ -33,11 +34,13 @@ def ssd(
     """SSD with shapes as in `ssd_naive`; `backend` picks the kernel, `chunk_size` the
     chunk length of the chunked kernels (for `compiled`: the steps between the states it
     saves for the backward pass; the naive loop has none)."""
-    backend = pick_backend("ssd", backend, x, dt, A, B, C, D, initial_state, cuda=x.is_cuda and cuda_available())
+    tensors = (x, dt, A, B, C, D, initial_state)
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    backend = pick_backend("ssd", backend, *tensors, cuda=x.is_cuda and cuda_available(x, B, backward))
     if backend == "naive":
         return ssd_naive(x, dt, A, B, C, D, initial_state, return_final_state)
     kernel = {"torch": ssd_chunked, "compiled": ssd_compiled, "cuda": ssd_cuda}[backend]
     return kernel(x, dt, A, B, C, D, initial_state, return_final_state, chunk_size=chunk_size)
 
 
-__all__ = ["BACKENDS", "cuda_available", "per_head", "ssd", "ssd_chunked", "ssd_compiled", "ssd_cuda", "ssd_naive"]
+__all__ = ["BACKENDS", "cuda_available", "gpu_kernel", "per_head", "ssd", "ssd_chunked", "ssd_compiled", "ssd_cuda", "ssd_naive"]

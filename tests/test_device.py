@@ -1,0 +1,245 @@
+"""The library on a device: every test runs on the CPU, and on a CUDA GPU where there is one
+(the `device` fixture; `make gpu-check`). Bounds (issue 47): decode against the full forward
+and the GPU kernels against their oracles within 1e-4 relative in fp32, 2e-2 in bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from recurformer.cache import CACHE_ARGUMENT, HybridCache
+from recurformer.config import ConfigError
+from recurformer.device import Placement, resolve_device, resolve_dtype
+from recurformer.loading import load_converted
+from recurformer.mixers import MixerConfig
+from recurformer.ops.ssd import ssd, ssd_naive
+from recurformer.ops.window import window_attention, window_attention_naive
+from recurformer.surgery import convert
+
+BOUND = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, both in fp64 on the CPU."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())
+
+
+def gpu_shaped(seed: int = 0) -> LlamaForCausalLM:
+    """A small Llama whose head size (32) and tail state (head_dim / 4 = 8, set to 16 below)
+    reach the GPU kernels' minimum sizes, so that the GPU path under test is the fast one."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+GPU_MIXER = MixerConfig(kind="window+mamba2", window=48, sinks=4, ssd_state=16)
+
+
+def decode_logits(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits of a prefill of `prompt` tokens, then one decode step per remaining token."""
+    with torch.no_grad():
+        cache = HybridCache(model.config.text_config.num_hidden_layers)
+        steps = [model(ids[:, :prompt], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim, n_state", [(8, 6), (32, 16), (64, 32)])
+def test_ssd_on_the_device_matches_the_oracle(device, dtype, head_dim, n_state):
+    """The backend `auto` picks for tensors on `device` (on a GPU: mamba-ssm's or
+    flash-linear-attention's kernel where the sizes allow) against the fp32 loop on the CPU."""
+    g = torch.Generator().manual_seed(head_dim)
+    batch, length, heads = 2, 300, 4
+    inputs = dict(x=torch.randn(batch, length, heads, head_dim, generator=g),
+                  dt=F.softplus(torch.randn(batch, length, heads, generator=g) - 1.0),
+                  A=-(8 * torch.rand(heads, generator=g) + 0.01), B=torch.randn(batch, length, 2, n_state, generator=g),
+                  C=torch.randn(batch, length, heads, n_state, generator=g), D=torch.randn(heads, generator=g),
+                  initial_state=torch.randn(batch, heads, head_dim, n_state, generator=g))
+    placed = {k: (v.to(device, dtype) if k in ("x", "B", "C") else v.to(device)) for k, v in inputs.items()}
+    y, state = ssd(**placed, return_final_state=True)
+    rounded = {k: (v.to(dtype).float() if k in ("x", "B", "C") else v) for k, v in inputs.items()}
+    y_ref, state_ref = ssd_naive(**rounded, return_final_state=True)
+    assert y.device.type == device.type and y.dtype == dtype and state.dtype == torch.float32
+    assert relative(y, y_ref) <= BOUND[dtype]
+    assert relative(state, state_ref) <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_attention_on_the_device_matches_the_oracle(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 200, 4, 32, generator=g)
+    k, v = torch.randn(2, 200, 2, 32, generator=g), torch.randn(2, 200, 2, 32, generator=g)
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[1, :37] = 0  # left padding
+    out = window_attention(*(t.to(device, dtype) for t in (q, k, v)), window=48, sinks=4, mask=mask.to(device))
+    ref = window_attention_naive(*(t.to(dtype).float() for t in (q, k, v)), window=48, sinks=4, mask=mask)
+    real = mask.bool()
+    assert relative(out[real], ref[real]) <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_decode_equals_the_full_forward(device, arch, mixer):
+    model = tiny_model(arch)
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")).to(device)
+    ids = torch.randint(0, 97, (2, 90), device=device)
+    with torch.no_grad():
+        full = converted(ids, use_cache=False).logits
+    assert relative(decode_logits(converted, ids, 70), full) <= BOUND[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_equals_the_full_forward_at_kernel_sizes(device, dtype):
+    """The window+mamba2 default at head sizes the GPU kernels take, in fp32 and bf16."""
+    model = gpu_shaped()
+    converted = open_gates(convert(model, spec_for(model, 0.5), GPU_MIXER, init="random")).to(device, dtype)
+    ids = torch.randint(0, 97, (2, 300), device=device)
+    with torch.no_grad():
+        full = converted(ids, use_cache=False).logits
+    assert relative(decode_logits(converted, ids, 200), full) <= BOUND[dtype]
+
+
+def test_left_padded_batch_generates_as_each_prompt_alone(device, arch):
+    model = tiny_model(arch)
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random")).to(device)
+    converted.generation_config.eos_token_id = None
+    prompts = [torch.randint(1, 97, (n,), device=device) for n in (40, 13)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    out = converted.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = converted.generate(p[None], attention_mask=torch.ones_like(p)[None], max_new_tokens=10, do_sample=False,
+                                   pad_token_id=0)
+        assert torch.equal(out[i, width:], alone[0, len(p):])
+
+
+def test_save_and_load_onto_the_device(device, tmp_path):
+    model = gpu_shaped()
+    converted = open_gates(convert(model, spec_for(model, 0.5), GPU_MIXER))
+    converted.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval().to(device)
+    ids = torch.randint(0, 97, (2, 120))
+    with torch.no_grad():
+        here = converted(ids).logits
+        there = loaded(ids.to(device)).logits
+    assert relative(there, here) <= BOUND[torch.float32]
+
+
+def test_a_bf16_conversion_on_the_device_keeps_the_weights_exactly(device):
+    """Converting a bf16 model where it lies copies every kept weight bit for bit, on that device."""
+    model = gpu_shaped().to(device, torch.bfloat16)
+    converted = convert(model, spec_for(model, 0.5), GPU_MIXER)
+    assert {p.device.type for p in converted.parameters()} == {device.type}
+    original = dict(model.named_parameters())
+    for name, p in converted.named_parameters():
+        if ".self_attn." not in name:
+            assert p.dtype == torch.bfloat16 and torch.equal(p, original[name]), name
+    attention = converted.model.layers[0].self_attn
+    kept = attention.kept_kv_heads[0] * 32
+    assert torch.equal(attention.k_proj.weight[:32], model.model.layers[0].self_attn.k_proj.weight[kept:kept + 32])
+
+
+def test_the_device_and_precision_resolve():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert Placement("cpu", "float16").torch_dtype == torch.float16
+
+
+@pytest.mark.parametrize("device, precision, message", [
+    ("tpu", "auto", "--device: unknown 'tpu'"),
+    ("cuda:x", "auto", "--device: unknown 'cuda:x'"),
+    ("cpu", "fp8", "--precision: unknown 'fp8'"),
+])
+def test_a_bad_device_or_precision_is_one_line(device, precision, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        Placement(device, precision)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
+def test_cuda_without_a_gpu_is_one_line():
+    with pytest.raises(ConfigError, match="--device cuda: no CUDA GPU is available here"):
+        Placement("cuda")
+
+
+def test_load_converted_puts_the_model_on_the_device(device, tmp_path):
+    model = tiny_model("llama")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"]))
+    converted.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    loaded, _ = load_converted(tmp_path, torch.bfloat16, device)
+    assert {(p.device.type, p.dtype) for p in loaded.parameters()} == {(device.type, torch.bfloat16)}
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        assert relative(loaded(ids.to(device)).logits, converted.to(torch.bfloat16)(ids).logits) <= BOUND[torch.bfloat16]
+
+
+def test_repeat_rows_decodes_as_the_rows_repeated(device):
+    """`HybridCache.repeat_rows`: one prefilled row made a batch with room to decode decodes
+    each row as the prompt alone does, and the buffers do not grow while it does."""
+    model = gpu_shaped()
+    converted = open_gates(convert(model, spec_for(model, 0.5), GPU_MIXER, init="random")).to(device)
+    ids = torch.randint(0, 97, (1, 90), device=device)
+    with torch.no_grad():
+        cache = HybridCache(2)
+        converted(ids[:, :80], **{CACHE_ARGUMENT: cache}, use_cache=True)
+        cache.repeat_rows(3, capacity=95)
+        buffers = [layer._key_buffer.data_ptr() for layer in cache.layers]
+        steps = [converted(ids[:, t:t + 1].expand(3, 1), **{CACHE_ARGUMENT: cache}, use_cache=True).logits
+                 for t in range(80, 90)]
+        alone = converted(ids, use_cache=False).logits[:, 80:]
+    assert [layer._key_buffer.data_ptr() for layer in cache.layers] == buffers
+    for row in range(3):
+        assert relative(torch.cat(steps, 1)[row], alone[0]) <= BOUND[torch.float32]
+
+
+def test_fla_is_taken_for_half_precision_inference_only():
+    from recurformer.ops.ssd.cuda import fla_takes, gpu_kernel
+
+    x, B = torch.zeros(1, 4, 2, 32, dtype=torch.bfloat16), torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16)
+    assert fla_takes(x, B)
+    assert not fla_takes(x, B, backward=True)  # refused on Hopper with Triton < 3.7.1
+    assert not fla_takes(x.float(), B.float())  # TF32 dot products: fp32 stays on the chunked scan
+    assert not fla_takes(x[..., :8], B)  # its kernels need sizes >= 16
+    if not torch.cuda.is_available():
+        assert gpu_kernel(x, B) is None
+
+
+def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch):
+    """benchmarks/speed/gpu.py end to end with tiny shapes on the CPU (`--device cpu`): every
+    section is written, and the page renders from it."""
+    import json
+    import sys
+
+    from benchmarks.speed import gpu
+
+    shape = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    monkeypatch.setattr(gpu, "SHAPES", {"tiny": (LlamaForCausalLM, shape)})
+    monkeypatch.setattr(gpu, "WORKSPACE", 0)
+    per_token = 2 * 2 * 2 * 32 * 2  # layers x (k, v) x kv heads x head_dim x bf16 bytes
+    memory = (sum(p.numel() for p in LlamaForCausalLM(shape).parameters()) * 2 + 4 * 256 * per_token) / 2**30
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--device", "cpu", "--contexts", "128,256", "--throughput-context", "256",
+                                      "--memory-gib", str(memory), "--steps", "2", "--warmup", "1",
+                                      "--train-seq-len", "64", "--out", str(tmp_path)])
+    gpu.main()
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    sections = data["models"]["tiny"]
+    assert {r["model"] for r in sections["batch1"]} == {"original", "conversion@0.5", "conversion@0.75"}
+    assert {r["batch"] for r in sections["throughput"] if r["model"] == "original"} == {4}
+    assert {r["batch"] for r in sections["throughput"] if r["model"] == "conversion@0.5"} >= {8}
+    assert len(sections["train"]) == 2 and not data["errors"]
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--render", str(tmp_path / "gpu.json")])
+    gpu.main()
+    page = (tmp_path / "gpu.md").read_text()
+    assert "| conversion@0.5 | 256 |" in page and "Largest batch" in page
