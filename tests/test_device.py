@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError
+from recurformer.decode_graph import DecodeGraph
 from recurformer.device import Placement, resolve_device, resolve_dtype
 from recurformer.loading import load_converted
 from recurformer.mixers import MixerConfig
@@ -235,7 +236,8 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     gpu.main()
     data = json.loads((tmp_path / "gpu.json").read_text())
     sections = data["models"]["tiny"]
-    assert {r["model"] for r in sections["batch1"]} == {"original", "conversion@0.5", "conversion@0.75"}
+    assert {r["model"] for r in sections["batch1"]} == {"original", "conversion@0.5", "conversion@0.75",
+                                                         "conversion@0.5+graphs", "conversion@0.75+graphs"}
     assert {r["batch"] for r in sections["throughput"] if r["model"] == "original"} == {4}
     assert {r["batch"] for r in sections["throughput"] if r["model"] == "conversion@0.5"} >= {8}
     assert len(sections["train"]) == 2 and not data["errors"]
@@ -243,3 +245,48 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     gpu.main()
     page = (tmp_path / "gpu.md").read_text()
     assert "| conversion@0.5 | 256 |" in page and "Largest batch" in page
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_graphed_decode_equals_the_dynamic_decode(device, arch, mixer):
+    """`DecodeGraph` (static cache; on a GPU a captured CUDA graph from its second step on)
+    gives the logits of the ordinary decode, a left-padded batch included."""
+    model = tiny_model(arch)
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")).to(device)
+    prompts = [torch.randint(1, 97, (n,), device=device) for n in (40, 25)]
+    width, new = 40, torch.randint(1, 97, (2, 12), device=device)
+    ids = torch.zeros(2, width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    runs = []
+    for graphed in (False, True):
+        with torch.no_grad():
+            cache = HybridCache(2)
+            converted(ids, attention_mask=mask, position_ids=positions, **{CACHE_ARGUMENT: cache})
+            step_mask, position, logits = mask, positions[:, -1:], []
+            graph = DecodeGraph(converted, cache, capacity=width + 12, starts=width - mask.sum(1)) if graphed else None
+            for t in range(12):
+                position = position + 1
+                if graphed:
+                    logits.append(graph(new[:, t:t + 1], position))
+                else:
+                    step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+                    logits.append(converted(new[:, t:t + 1], attention_mask=step_mask, position_ids=position,
+                                            **{CACHE_ARGUMENT: cache}).logits)
+        runs.append(torch.cat(logits, 1))
+    assert relative(runs[1], runs[0]) <= BOUND[torch.float32]
+    assert cache.get_seq_length() == width + 12
+
+
+def test_a_full_decode_graph_is_refused():
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"])
+    cache = HybridCache(2)
+    with torch.no_grad():
+        converted(torch.randint(0, 97, (1, 10)), **{CACHE_ARGUMENT: cache})
+    graph = DecodeGraph(converted, cache, capacity=11)
+    graph(torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), 10))
+    with pytest.raises(ValueError, match="the cache is full"):
+        graph(torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), 11))

@@ -30,6 +30,7 @@ transformers and the SSD kernel in use. `--deadline-s` stops starting new sectio
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import math
 import platform
@@ -46,6 +47,7 @@ from transformers import StaticCache
 from recurformer.bench import cache_bytes, generation_inputs, timed_decode
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ReplacementSpec
+from recurformer.decode_graph import DecodeGraph
 from recurformer.device import synchronize
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.mixers import MixerConfig, resolve_for_model
@@ -137,15 +139,26 @@ def static_rows(model, dynamic: DynamicCache, batch: int, capacity: int) -> Stat
 
 
 @torch.no_grad()
-def decode(model, cache, token, context: int, batch: int, steps: int, warmup: int, compiled: bool = False) -> dict:
-    """Decode `warmup + steps` greedy tokens for `batch` rows after `context` tokens; the
-    median step, tokens/s per row and in total, and the peak GPU memory of the decode."""
-    mask = torch.ones(batch, context, dtype=torch.long, device=model.device)
+def decode(model, cache, token, context: int, batch: int, steps: int, warmup: int, mode: str = "eager") -> dict:
+    """Decode `warmup + steps` greedy tokens for `batch` rows after `context` tokens, `mode`:
+    `eager`, `compiled` (the original: transformers' compiled call, CUDA graphs through
+    torch.compile) or `graphs` (a conversion: `DecodeGraph`); the median step, tokens/s per
+    row and in total, and the peak GPU memory of the decode."""
     positions = torch.full((batch, 1), context - 1, dtype=torch.long, device=model.device)
     token = token.expand(batch, 1).contiguous()
-    call = model.get_compiled_call(CompileConfig()) if compiled else model
     reset_peak(model.device)
-    times = timed_decode(model, call, cache, token, mask, positions, warmup + steps)
+    if mode == "graphs":
+        graph, times = DecodeGraph(model, cache, capacity=context + warmup + steps + 1), []
+        for _ in range(warmup + steps):
+            start = time.perf_counter()
+            positions = positions + 1
+            token = graph(token, positions)[:, -1:].argmax(-1)
+            synchronize(model.device)
+            times.append(time.perf_counter() - start)
+    else:
+        mask = torch.ones(batch, context, dtype=torch.long, device=model.device)
+        call = model.get_compiled_call(CompileConfig()) if mode == "compiled" else model
+        times = timed_decode(model, call, cache, token, mask, positions, warmup + steps)
     step = statistics.median(times[warmup:])
     return {"step_ms": 1000 * step, "tokens_per_s": 1 / step, "total_tokens_per_s": batch / step,
             "first_step_s": times[0], "peak_gib": peak_gib(model.device)}
@@ -156,10 +169,23 @@ def largest_batch(weights: int, per_sequence: int, memory: int) -> int:
     return max(0, int((memory - weights - WORKSPACE) // per_sequence))
 
 
+def _decodes(model, name: str, cache, token, context: int, batch: int, steps: int, warmup: int,
+             modes: list[str]) -> list[dict]:
+    """One row per decode mode, each from its own copy of the prefilled `cache` (the last from it)."""
+    rows = []
+    for i, mode in enumerate(modes):
+        own = cache if i == len(modes) - 1 else copy.deepcopy(cache)
+        rows.append({"model": name if mode == "eager" else f"{name}+{mode}", "context": context, "batch": batch,
+                     **decode(model, own, token, context, batch, steps, warmup, mode)})
+        del own
+        free()
+    return rows
+
+
 @torch.no_grad()
-def batch1(model, name: str, context: int, hybrid: bool, steps: int, warmup: int, compiled: bool = False) -> dict:
-    """Prefill and decode one sequence of `context` tokens (the original: a dynamic-cache
-    prefill copied into a static cache, which decodes)."""
+def batch1(model, name: str, context: int, hybrid: bool, steps: int, warmup: int, modes: list[str]) -> list[dict]:
+    """Prefill one sequence of `context` tokens, then decode it in each of `modes` (the
+    original: a dynamic-cache prefill copied into a static cache, which decodes)."""
     reset_peak(model.device)
     seconds, cache, token = prefill(model, context, hybrid)
     prefill_peak = peak_gib(model.device)
@@ -169,28 +195,27 @@ def batch1(model, name: str, context: int, hybrid: bool, steps: int, warmup: int
         cache.repeat_rows(1, capacity)
     else:
         cache = static_rows(model, cache, 1, capacity)
-    row = {"model": name, "context": context, "batch": 1, "prefill_s": seconds, "prefill_peak_gib": prefill_peak,
-           "kv_bytes": kv, "state_bytes": state, "cache_bytes": kv + state,
-           **decode(model, cache, token, context, 1, steps, warmup, compiled)}
-    del cache
-    free()
-    return row
+    measured = {"prefill_s": seconds, "prefill_peak_gib": prefill_peak, "kv_bytes": kv, "state_bytes": state,
+                "cache_bytes": kv + state}
+    return [{**row, **measured} for row in _decodes(model, name, cache, token, context, 1, steps, warmup, modes)]
 
 
 @torch.no_grad()
-def batched(model, name: str, context: int, batch: int, hybrid: bool, steps: int, warmup: int) -> dict:
-    """Decode `batch` copies of one prefilled sequence of `context` tokens (see the module docstring)."""
-    _, cache, token = prefill(model, context, hybrid)
-    capacity = context + warmup + steps + 1
-    if hybrid:
-        cache.repeat_rows(batch, capacity)
-    else:
-        cache = static_rows(model, cache, batch, capacity)
-    free()
-    row = {"model": name, "context": context, "batch": batch, **decode(model, cache, token, context, batch, steps, warmup)}
-    del cache
-    free()
-    return row
+def batched(model, name: str, context: int, batch: int, hybrid: bool, steps: int, warmup: int,
+            modes: list[str]) -> list[dict]:
+    """Decode `batch` copies of one prefilled sequence of `context` tokens in each of `modes`,
+    each from a prefill of its own (a copy of a batch's cache would not fit beside it)."""
+    rows = []
+    for mode in modes:
+        _, cache, token = prefill(model, context, hybrid)
+        capacity = context + warmup + steps + 1
+        if hybrid:
+            cache.repeat_rows(batch, capacity)
+        else:
+            cache = static_rows(model, cache, batch, capacity)
+        free()
+        rows += _decodes(model, name, cache, token, context, batch, steps, warmup, [mode])
+    return rows
 
 
 def train_step(student, teacher, seq_len: int) -> dict:
@@ -285,6 +310,8 @@ def run(args) -> None:
     results.data["ssd"] = ssd_check(args.device)
     results.save()
     print("ssd:", results.data["ssd"], flush=True)
+    originals = ["eager", "compiled"] if args.compile else ["eager"]
+    conversions = ["eager", "graphs"]
     for shape in args.models:
         if late():
             break
@@ -295,17 +322,15 @@ def run(args) -> None:
         for context in args.contexts:
             if late():
                 break
-            row = batch1(original, "original", context, False, args.steps, args.warmup)
-            results.add(shape, "batch1", row)
+            for row in batch1(original, "original", context, False, args.steps, args.warmup, originals):
+                results.add(shape, "batch1", row)
             if context == args.throughput_context:
                 per_sequence["original"] = row["cache_bytes"]
-        if args.compile and not late():
-            results.add(shape, "batch1", batch1(original, "original+compiled", args.throughput_context, False,
-                                                args.steps, args.warmup, compiled=True))
         if "original" in per_sequence and not late():
             base = largest_batch(weights, per_sequence["original"], args.memory_gib * GIB)
-            results.add(shape, "throughput", batched(original, "original", args.throughput_context, base, False,
-                                                     args.steps, args.warmup))
+            for row in batched(original, "original", args.throughput_context, base, False, args.steps, args.warmup,
+                               originals):
+                results.add(shape, "throughput", row)
         for beta in args.betas:
             if late():
                 break
@@ -325,8 +350,8 @@ def run(args) -> None:
             for context in args.contexts:
                 if late():
                     break
-                row = batch1(converted, name, context, True, args.steps, args.warmup)
-                results.add(shape, "batch1", row)
+                for row in batch1(converted, name, context, True, args.steps, args.warmup, conversions):
+                    results.add(shape, "batch1", row)
                 if context == args.throughput_context:
                     per_sequence[name] = row["cache_bytes"]
             if name in per_sequence and "original" in per_sequence and not late():
@@ -335,8 +360,9 @@ def run(args) -> None:
                 for batch in sorted({2 * base, own}):
                     if late():
                         break
-                    row = batched(converted, name, args.throughput_context, batch, True, args.steps, args.warmup)
-                    results.add(shape, "throughput", {**row, "largest_batch": own, "original_largest_batch": base})
+                    for row in batched(converted, name, args.throughput_context, batch, True, args.steps, args.warmup,
+                                       conversions):
+                        results.add(shape, "throughput", {**row, "largest_batch": own, "original_largest_batch": base})
             del converted
             free()
         original = None
@@ -360,7 +386,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--train-seq-len", type=int, default=1024)
-    parser.add_argument("--compile", action="store_true", help="also the original's decode under torch.compile")
+    parser.add_argument("--compile", action="store_true", help="also the original's decode under torch.compile "
+                        "(transformers' compiled call: CUDA graphs), beside the conversion's own graphs")
     parser.add_argument("--deadline-s", type=float, default=500)
     parser.add_argument("--render", type=Path, help="write gpu.md beside this gpu.json and stop")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself on tiny shapes")
@@ -391,6 +418,14 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}" if n > 1000 else f"{n:.2f}"
 
 
+def _baseline(originals: dict, row: dict) -> dict | None:
+    """The original's row a `row` compares with, at its context: a conversion's graphed decode
+    with the original's compiled one (both CUDA graphs) where measured, else with the eager."""
+    if "+" in row["model"] and not row["model"].startswith("original") and ("original+compiled", row["context"]) in originals:
+        return originals[("original+compiled", row["context"])]
+    return originals.get(("original", row["context"]))
+
+
 def render(path: Path) -> str:
     """docs/results/gpu.md from gpu.json: the environment, the SSD kernel check, and per model
     shape the batch-1 rows, the throughput rows and the training step, each beside the
@@ -416,12 +451,12 @@ def render(path: Path) -> str:
         weights = {"original": sections["weights"][0]["bytes"]}
         lines += [f"## {shape}", "", f"Weights: {_gib(weights['original'])} GiB (bf16).", ""]
         rows = sections.get("batch1", [])
-        base = {r["context"]: r for r in rows if r["model"] == "original"}
+        base = {(r["model"], r["context"]): r for r in rows if r["model"].startswith("original")}
         if rows:
             lines += ["| model | context | prefill s | x original | decode tokens/s | x original | byte limit | cache GiB "
                       "| peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
             for r in rows:
-                o = base.get(r["context"])
+                o = _baseline(base, r)
                 prefill = "" if o is None or r is o else f"{r['prefill_s'] / o['prefill_s']:.2f}"
                 speed = "" if o is None or r is o else f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}"
                 limit = "" if o is None or r is o else \
@@ -432,10 +467,11 @@ def render(path: Path) -> str:
             lines.append("")
         rows = sections.get("throughput", [])
         if rows:
-            first = next((r for r in rows if r["model"] == "original"), None)
+            firsts = {(r["model"], r["context"]): r for r in rows if r["model"].startswith("original")}
             lines += ["| model | batch | total tokens/s | x original at its largest batch | step ms | peak GiB |",
                       "|---|---|---|---|---|---|"]
             for r in rows:
+                first = _baseline(firsts, r)
                 ratio = "" if first is None or r is first else f"{r['total_tokens_per_s'] / first['total_tokens_per_s']:.2f}"
                 lines.append(f"| {r['model']} | {r['batch']} | {r['total_tokens_per_s']:.0f} | {ratio} | {r['step_ms']:.1f} | "
                              f"{_gib(r['peak_gib'])} |")

@@ -132,6 +132,8 @@ class HybridAttention(nn.Module):
         """
         cache = past_key_values if cache is None else cache
         batch, length = hidden_states.shape[:2]
+        if length == 1 and isinstance(cache, HybridCache) and cache.is_static:
+            return self._static_decode(hidden_states, position_embeddings, cache), None
         parts: list[Tensor] = []
         weights = None
         compiled = (self._compiled_decode(hidden_states, position_embeddings, attention_mask, cache, kwargs)
@@ -166,6 +168,28 @@ class HybridAttention(nn.Module):
         if self.mixer is not None:
             parts.append(self._mix(hidden_states, cache, padding_mask, position_embeddings))
         return self.o_proj(torch.cat(parts, dim=-1)), weights
+
+    def _static_decode(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], cache: HybridCache) -> Tensor:
+        """One token `[B, 1, hidden]` over a static cache (`HybridLayer.make_static`): the kept
+        heads attend over the whole buffer, each row its visible slots, and the mixer steps;
+        nothing depends on a Python value or waits for the device (`decode_graph.py`)."""
+        batch = hidden_states.shape[0]
+        layer = cache.layers[self.layer_idx]
+        parts: list[Tensor] = []
+        if self.has_attention:
+            shape = (batch, 1, -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hq_kept, 1, D]
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hkv_kept, 1, D]
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+            keys, values, visible = layer.append_static(k, v)
+            parts.append(packed_decode_attention(q, keys, values, visible, self.scaling).reshape(batch, 1, -1))
+        else:
+            layer.length += 1  # no K/V, but the count goes on
+        if self.mixer is not None:
+            state = cache.mixer_state(self.layer_idx, self.mixer, batch, hidden_states.dtype, hidden_states.device)
+            parts.append(self.mixer.step(hidden_states[:, 0], state, position_embeddings)[:, None])
+        return self.o_proj(torch.cat(parts, dim=-1))
 
     def _compiled_decode(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], attention_mask: Tensor | None,
                          cache, kwargs: dict) -> Tensor | None:

@@ -45,6 +45,9 @@ class HybridLayer(DynamicLayer):
         self.tokens = 0  # counted here: a layer without kept heads stores no K/V to count
         self._key_buffer: Tensor | None = None
         self._value_buffer: Tensor | None = None
+        self.length: Tensor | None = None  # static decoding (`make_static`): the filled slots, on the device
+        self._slots: Tensor | None = None
+        self._starts: Tensor | None = None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append `[B, kept_kv_heads, T, D]` keys/values; return all of them so far."""
@@ -73,6 +76,41 @@ class HybridLayer(DynamicLayer):
         self._view()
         return self._key_buffer, self._value_buffer, self.tokens
 
+    def make_static(self, capacity: int, starts: Tensor | None = None) -> None:
+        """[ours] Decode from here on with buffers of `capacity` tokens whose filled length is a
+        device tensor (`append_static`), so that a step depends on no Python value and can be
+        captured in a CUDA graph (`decode_graph.py`). `starts` `[B]`: each row's first real
+        slot (left padding; default 0). The prefill must have run (the buffers exist)."""
+        if self._key_buffer is None:
+            raise ValueError("make_static: prefill first (the layer holds no keys yet)")
+        if capacity < self.tokens:
+            raise ValueError(f"make_static: capacity {capacity} < the {self.tokens} tokens held")
+        if self._key_buffer.shape[-2] < capacity:
+            shape = (*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[-1])
+            keys, values = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
+            keys[:, :, : self.tokens], values[:, :, : self.tokens] = self.keys, self.values
+            self._key_buffer, self._value_buffer = keys, values
+            self._view()
+        # the slots not written yet hold whatever the allocator left, NaN included, and a masked
+        # slot still enters SDPA's sum with weight 0: 0 * NaN would be NaN
+        self._key_buffer[:, :, self.tokens:].zero_()
+        self._value_buffer[:, :, self.tokens:].zero_()
+        device = self._key_buffer.device
+        self.length = torch.tensor([self.tokens], device=device)
+        self._slots = torch.arange(self._key_buffer.shape[-2], device=device)
+        batch = self._key_buffer.shape[0]
+        self._starts = torch.zeros(batch, 1, dtype=torch.long, device=device) if starts is None else starts.view(batch, 1)
+
+    def append_static(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A static decode step's token: write its key and value `[B, kept_kv_heads, 1, D]` at
+        slot `length` and count it, all on the device; return the whole buffers `[B, kept, C, D]`
+        and which slots each row sees `[B, 1, 1, C]` (bool: from its start up to the token)."""
+        self._key_buffer.index_copy_(2, self.length, key_states)
+        self._value_buffer.index_copy_(2, self.length, value_states)
+        self.length += 1
+        visible = (self._slots >= self._starts) & (self._slots < self.length)
+        return self._key_buffer, self._value_buffer, visible[:, None, None, :]
+
     def _view(self) -> None:
         """`keys`/`values`: the filled part of the buffers."""
         self.keys = self._key_buffer[:, :, : self.tokens]
@@ -96,13 +134,15 @@ class HybridLayer(DynamicLayer):
             self._key_buffer, self._value_buffer = self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.tokens
+        """Tokens seen (in static decoding read from the device: a synchronization)."""
+        return self.tokens if self.length is None else int(self.length)
 
     def reset(self) -> None:
         super().reset()
         self.mixer_state = None
         self.tokens = 0
         self._key_buffer = self._value_buffer = None
+        self.length = self._slots = self._starts = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0 and self.mixer_state is not None:
@@ -182,6 +222,20 @@ class HybridCache(Cache):
                 layer._key_buffer, layer._value_buffer = keys, values
                 layer._view()
             layer._map_state(lambda t: t.expand(batch, *t.shape[1:]).clone())
+
+    def make_static(self, capacity: int, starts: Tensor | None = None) -> None:
+        """Every layer decodes statically from here on (`HybridLayer.make_static`)."""
+        for layer in self.layers:
+            layer.make_static(capacity, starts)
+
+    @property
+    def is_static(self) -> bool:
+        return self.layers[0].length is not None
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held (after the prefill)."""
+        return self.layers[0]._key_buffer.shape[0]
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by kind: `kv` (the kept heads' keys and values), `kv_reserved` (their
