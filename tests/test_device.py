@@ -241,6 +241,8 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     assert {r["batch"] for r in sections["throughput"] if r["model"] == "original"} == {4}
     assert {r["batch"] for r in sections["throughput"] if r["model"] == "conversion@0.5"} >= {8}
     assert len(sections["train"]) == 2 and not data["errors"]
+    profiled = [r for r in sections["batch1"] if "profile" in r]
+    assert {r["context"] for r in profiled} == {256} and all(r["profile"]["aten_calls"] > 0 for r in profiled)
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--render", str(tmp_path / "gpu.json")])
     gpu.main()
     page = (tmp_path / "gpu.md").read_text()

@@ -164,6 +164,29 @@ def decode(model, cache, token, context: int, batch: int, steps: int, warmup: in
             "first_step_s": times[0], "peak_gib": peak_gib(model.device)}
 
 
+@torch.no_grad()
+def profile_step(model, cache, token, context: int, top: int = 12) -> dict:
+    """One eager decode step of one row under torch.profiler: the host's and the device's
+    time, the kernels launched, and the operators that take the most host time (what an
+    eager step on a GPU spends its time on: launching, not computing)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if model.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    mask = torch.ones(1, context, dtype=torch.long, device=model.device)
+    positions = torch.full((1, 1), context - 1, dtype=torch.long, device=model.device)
+    with torch.profiler.profile(activities=activities) as profiler:
+        timed_decode(model, model, cache, token, mask, positions, 1)
+    events = profiler.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    operators = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)
+    return {"host_ms": sum(e.self_cpu_time_total for e in events) / 1000,
+            "device_ms": sum(e.self_device_time_total for e in kernels) / 1000 if kernels else None,
+            "kernel_launches": sum(e.count for e in kernels) if kernels else None,
+            "aten_calls": sum(e.count for e in events if e.key.startswith("aten::")),
+            "top_host": [{"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1000}
+                         for e in operators[:top]]}
+
+
 def largest_batch(weights: int, per_sequence: int, memory: int) -> int:
     """The most sequences whose cache fits beside the weights and the workspace in `memory`."""
     return max(0, int((memory - weights - WORKSPACE) // per_sequence))
@@ -183,9 +206,11 @@ def _decodes(model, name: str, cache, token, context: int, batch: int, steps: in
 
 
 @torch.no_grad()
-def batch1(model, name: str, context: int, hybrid: bool, steps: int, warmup: int, modes: list[str]) -> list[dict]:
+def batch1(model, name: str, context: int, hybrid: bool, steps: int, warmup: int, modes: list[str],
+           profile: bool = False) -> list[dict]:
     """Prefill one sequence of `context` tokens, then decode it in each of `modes` (the
-    original: a dynamic-cache prefill copied into a static cache, which decodes)."""
+    original: a dynamic-cache prefill copied into a static cache, which decodes); `profile`:
+    also one eager step under the profiler (`profile_step`)."""
     reset_peak(model.device)
     seconds, cache, token = prefill(model, context, hybrid)
     prefill_peak = peak_gib(model.device)
@@ -197,6 +222,8 @@ def batch1(model, name: str, context: int, hybrid: bool, steps: int, warmup: int
         cache = static_rows(model, cache, 1, capacity)
     measured = {"prefill_s": seconds, "prefill_peak_gib": prefill_peak, "kv_bytes": kv, "state_bytes": state,
                 "cache_bytes": kv + state}
+    if profile:
+        measured["profile"] = profile_step(model, copy.deepcopy(cache), token, context)
     return [{**row, **measured} for row in _decodes(model, name, cache, token, context, 1, steps, warmup, modes)]
 
 
@@ -322,7 +349,8 @@ def run(args) -> None:
         for context in args.contexts:
             if late():
                 break
-            for row in batch1(original, "original", context, False, args.steps, args.warmup, originals):
+            for row in batch1(original, "original", context, False, args.steps, args.warmup, originals,
+                              profile=context == args.throughput_context):
                 results.add(shape, "batch1", row)
             if context == args.throughput_context:
                 per_sequence["original"] = row["cache_bytes"]
@@ -350,7 +378,8 @@ def run(args) -> None:
             for context in args.contexts:
                 if late():
                     break
-                for row in batch1(converted, name, context, True, args.steps, args.warmup, conversions):
+                for row in batch1(converted, name, context, True, args.steps, args.warmup, conversions,
+                                  profile=context == args.throughput_context):
                     results.add(shape, "batch1", row)
                 if context == args.throughput_context:
                     per_sequence[name] = row["cache_bytes"]
@@ -418,6 +447,11 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}" if n > 1000 else f"{n:.2f}"
 
 
+def _base_name(model: str) -> str:
+    """`conversion@0.5+graphs` -> `conversion@0.5`: the model, whatever decode mode."""
+    return model.split("+")[0]
+
+
 def _baseline(originals: dict, row: dict) -> dict | None:
     """The original's row a `row` compares with, at its context: a conversion's graphed decode
     with the original's compiled one (both CUDA graphs) where measured, else with the eager."""
@@ -464,6 +498,15 @@ def render(path: Path) -> str:
                 lines.append(f"| {r['model']} | {r['context']:,} | {r['prefill_s']:.2f} | {prefill} | "
                              f"{r['tokens_per_s']:.1f} | {speed} | {limit} | {_gib(r['cache_bytes'])} | "
                              f"{_gib(r['peak_gib'])} |")
+            lines.append("")
+        for r in rows:
+            if "profile" in r and r["model"] == _base_name(r["model"]):
+                p = r["profile"]
+                device = "" if p["device_ms"] is None else f", {p['device_ms']:.1f} ms on the device in " \
+                    f"{p['kernel_launches']:,} kernels"
+                lines.append(f"- {r['model']}, one eager step at {r['context']:,} under the profiler: "
+                             f"{p['host_ms']:.1f} ms on the host, {p['aten_calls']:,} operator calls{device}.")
+        if any("profile" in r for r in rows):
             lines.append("")
         rows = sections.get("throughput", [])
         if rows:
