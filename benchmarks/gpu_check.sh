@@ -12,6 +12,12 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src:$PWD" PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$OUT"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name(0))" || exit 2
+"$PY" -c "import recurformer" 2>/dev/null || {
+    echo "gpu-check: recurformer does not import with this python (it needs transformers >= 5.20; found" \
+        "$("$PY" -c 'import transformers; print(transformers.__version__)' 2>&1 | tail -1)): put a newer" \
+        "transformers wheel on PYTHONPATH" >&2
+    exit 2
+}
 timeout ${TESTS_TIMEOUT:-900} "$PY" -m pytest -q -m cuda -p no:cacheprovider --durations=8 ${GPU_TESTS:-tests/test_device*.py} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 tests=${PIPESTATUS[0]}
 "$PY" -m benchmarks.speed.gpu --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | grep -v "^\[" | tail -20
