@@ -7,7 +7,9 @@ keeps, not on which). For each model, against the original with a `StaticCache` 
 both eager (the original's compiled decode with `--compile`):
 
 - batch 1 at each `--contexts`: prefill time (logits of the last token only), decode
-  tokens/s (median step after warm-up steps), cache bytes, peak GPU memory;
+  tokens/s (median step after warm-up steps; the conversions also replayed from a CUDA
+  graph, `DecodeGraph`, as `+graphs`), cache bytes, peak GPU memory; at the throughput
+  context one eager step under torch.profiler (host and device time, kernels launched);
 - at `--throughput-context` (32K): the largest batch whose weights, cache and a 2 GiB
   workspace fit `--memory-gib` (70), from the cache bytes measured at batch 1; the
   original's total tokens/s at its largest batch, the conversion's at twice that and at its
