@@ -315,7 +315,7 @@ def test_prefill_once_decodes_every_round_from_a_copy_of_one_prefilled_cache(mon
 def test_llama_cpp_rows_pair_each_context_with_its_prefill():
     """benchmarks/speed/llama_cpp.py: llama-bench's JSON records (the fields it writes) become
     one row per context, decode at that depth beside the prefill of that many tokens."""
-    from benchmarks.speed.llama_cpp import markdown, rows_of
+    from benchmarks.speed.llama_cpp import CONVERSION, markdown, rows_of
 
     def record(n_prompt, n_gen, n_depth, ts):
         return {"n_prompt": n_prompt, "n_gen": n_gen, "n_depth": n_depth, "n_threads": 2, "avg_ts": ts, "stddev_ts": 0.5}
@@ -324,4 +324,6 @@ def test_llama_cpp_rows_pair_each_context_with_its_prefill():
     decode = [record(0, 32, 512, 80.0), record(0, 32, 2048, 60.0)]
     rows = rows_of("Q8_0", prefill, decode)
     assert [(r["context"], r["decode_tokens_per_s"], r["prefill_s"]) for r in rows] == [(512, 80.0, 0.5), (2048, 60.0, 4.0)]
-    assert "| Q8_0 | 2,048 | 60.0 (sd 0.5) | 4.00 |" in markdown(rows)
+    assert "| original, llama.cpp Q8_0 | 2,048 | 60.0 (sd 0.5) |  | 4.00 |" in markdown(rows)
+    ours = [{"model": CONVERSION, "context": 2048, "decode_tokens_per_s": 30.0, "prefill_s": 3.0}]
+    assert "| original, llama.cpp Q8_0 | 2,048 | 60.0 (sd 0.5) | 2.00 | 4.00 |" in markdown(rows, ours)
