@@ -282,6 +282,27 @@ def test_graphed_decode_equals_the_dynamic_decode(device, arch, mixer):
     assert cache.get_seq_length() == width + 12
 
 
+def test_graphed_decode_keeps_a_sliding_window():
+    """A Mistral whose layers attend over a sliding window: the static step hides what the
+    window has left, as the ordinary decode's mask does."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=24, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    model = MistralForCausalLM(config).eval()
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random"))
+    ids = torch.randint(0, 97, (1, 60))
+    with torch.no_grad():
+        full = converted(ids, use_cache=False).logits[:, 40:]
+        cache = HybridCache(2)
+        converted(ids[:, :40], **{CACHE_ARGUMENT: cache})
+        graph = DecodeGraph(converted, cache, capacity=60)
+        steps = [graph(ids[:, t:t + 1], torch.full((1, 1), t)) for t in range(40, 60)]
+    assert relative(torch.cat(steps, 1), full) <= BOUND[torch.float32]
+
+
 def test_a_full_decode_graph_is_refused():
     model = tiny_model("llama")
     converted = convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"])

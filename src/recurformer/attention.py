@@ -182,7 +182,7 @@ class HybridAttention(nn.Module):
             k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hkv_kept, 1, D]
             v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-            keys, values, visible = layer.append_static(k, v)
+            keys, values, visible = layer.append_static(k, v, self.sliding_window)
             parts.append(packed_decode_attention(q, keys, values, visible, self.scaling).reshape(batch, 1, -1))
         else:
             layer.length += 1  # no K/V, but the count goes on

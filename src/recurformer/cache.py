@@ -101,14 +101,18 @@ class HybridLayer(DynamicLayer):
         batch = self._key_buffer.shape[0]
         self._starts = torch.zeros(batch, 1, dtype=torch.long, device=device) if starts is None else starts.view(batch, 1)
 
-    def append_static(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def append_static(self, key_states: Tensor, value_states: Tensor,
+                      sliding_window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """A static decode step's token: write its key and value `[B, kept_kv_heads, 1, D]` at
         slot `length` and count it, all on the device; return the whole buffers `[B, kept, C, D]`
-        and which slots each row sees `[B, 1, 1, C]` (bool: from its start up to the token)."""
+        and which slots each row sees `[B, 1, 1, C]` (bool: from its start up to the token, and
+        within the layer's `sliding_window` last tokens where it has one)."""
         self._key_buffer.index_copy_(2, self.length, key_states)
         self._value_buffer.index_copy_(2, self.length, value_states)
         self.length += 1
         visible = (self._slots >= self._starts) & (self._slots < self.length)
+        if sliding_window is not None:
+            visible &= self._slots >= self.length - sliding_window
         return self._key_buffer, self._value_buffer, visible[:, None, None, :]
 
     def _view(self) -> None:
