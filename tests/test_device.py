@@ -248,6 +248,14 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     page = (tmp_path / "gpu.md").read_text()
     assert "| conversion@0.5 | 256 |" in page and "Largest batch" in page
 
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(gpu, "DecodeGraph", refused)  # a capture that fails is recorded; the eager rows stand
+    rows = gpu._decodes(LlamaForCausalLM(shape).eval(), "m", None, None, 8, 1, 1, 1, ["graphs"])
+    assert rows == [{"model": "m+graphs", "context": 8, "batch": 1,
+                     "error": "RuntimeError: operation not permitted when stream is capturing"}]
+
 
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_graphed_decode_equals_the_dynamic_decode(device, arch, mixer):

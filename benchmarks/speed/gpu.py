@@ -200,8 +200,14 @@ def _decodes(model, name: str, cache, token, context: int, batch: int, steps: in
     rows = []
     for i, mode in enumerate(modes):
         own = cache if i == len(modes) - 1 else copy.deepcopy(cache)
-        rows.append({"model": name if mode == "eager" else f"{name}+{mode}", "context": context, "batch": batch,
-                     **decode(model, own, token, context, batch, steps, warmup, mode)})
+        row = {"model": name if mode == "eager" else f"{name}+{mode}", "context": context, "batch": batch}
+        try:
+            row.update(decode(model, own, token, context, batch, steps, warmup, mode))
+        except Exception as error:  # noqa: BLE001 - a capture or compile that fails is recorded; eager is not caught
+            if mode == "eager":
+                raise
+            row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        rows.append(row)
         del own
         free()
     return rows
@@ -486,7 +492,8 @@ def render(path: Path) -> str:
     for shape, sections in data["models"].items():
         weights = {"original": sections["weights"][0]["bytes"]}
         lines += [f"## {shape}", "", f"Weights: {_gib(weights['original'])} GiB (bf16).", ""]
-        rows = sections.get("batch1", [])
+        failed = [r for section in ("batch1", "throughput") for r in sections.get(section, []) if "error" in r]
+        rows = [r for r in sections.get("batch1", []) if "error" not in r]
         base = {(r["model"], r["context"]): r for r in rows if r["model"].startswith("original")}
         if rows:
             lines += ["| model | context | prefill s | x original | decode tokens/s | x original | byte limit | cache GiB "
@@ -510,7 +517,7 @@ def render(path: Path) -> str:
                              f"{p['host_ms']:.1f} ms on the host, {p['aten_calls']:,} operator calls{device}.")
         if any("profile" in r for r in rows):
             lines.append("")
-        rows = sections.get("throughput", [])
+        rows = [r for r in sections.get("throughput", []) if "error" not in r]
         if rows:
             firsts = {(r["model"], r["context"]): r for r in rows if r["model"].startswith("original")}
             lines += ["| model | batch | total tokens/s | x original at its largest batch | step ms | peak GiB |",
@@ -528,6 +535,10 @@ def render(path: Path) -> str:
                       f"original {base_batch}, " + ", ".join(
                           f"{m} {b} ({b / base_batch:.2f}x)" for m, b in {r["model"]: r["largest_batch"] for r in sizes}.items())
                       + ".", ""]
+        for r in failed:
+            lines += [f"- {r['model']} at {r['context']:,} x {r['batch']} failed: {r['error']}"]
+        if failed:
+            lines.append("")
         for r in sections.get("train", []):
             lines += [f"Training step ({r['model']}, recipe {r['recipe']} {r['stage']} stage, {r['sequences']} x "
                       f"{r['seq_len']} tokens, {r['trainable_parameters']:,} trainable parameters): {r['step_s']:.2f} s, "
