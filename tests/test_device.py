@@ -252,7 +252,8 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(gpu, "DecodeGraph", refused)  # a capture that fails is recorded; the eager rows stand
-    rows = gpu._decodes(LlamaForCausalLM(shape).eval(), "m", None, None, 8, 1, 1, 1, ["graphs"])
+    rows = gpu._decodes(LlamaForCausalLM(shape).eval(), "m", None, torch.zeros(1, 1, dtype=torch.long), 8, 1, 1, 1,
+                        ["graphs"])
     assert rows == [{"model": "m+graphs", "context": 8, "batch": 1,
                      "error": "RuntimeError: operation not permitted when stream is capturing"}]
 
