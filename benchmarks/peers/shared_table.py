@@ -33,7 +33,11 @@ BEGIN, END = "<!-- shared-context:begin -->", "<!-- shared-context:end -->"
 MODES = ("multi-request", "multi-turn")
 # The comparisons the docs state, each printed with its paired interval when both rows exist.
 COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversion@0.5,duo@0.5",
-               "conversion@0.5,kvzip@0.5", "conversion@0.5,streaming@0.5", "window@0.5,original",
+               "conversion@0.5,kvzip@0.5", "conversion@0.5,streaming@0.5", "conversion@0.5,tova@0.5",
+               "conversion@0.5,expected-attention@0.5", "conversion@0.5,snapkv@0.5", "conversion@0.5,knorm@0.5",
+               "conversion@0.5-retrieval25,conversion@0.5", "conversion@0.5-q-retrieval25,conversion@0.5",
+               "conversion@0.5-q-retrieval25,conversion@0.5-retrieval25", "conversion@0.5-retrieval25,kvzip@0.5",
+               "window@0.5,original",
                "conversion@0.25,window@0.25", "conversion@0.25,kvzip@0.25",
                "conversion@0.25-ablation-retrieval,kvzip@0.25",
                "conversion@0.25-ablation-retrieval,conversion@0.25")
