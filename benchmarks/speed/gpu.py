@@ -46,7 +46,7 @@ import transformers
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers import StaticCache
 
-from recurformer.bench import cache_bytes, generation_inputs, timed_decode
+from recurformer.bench import cache_bytes, timed_decode
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ReplacementSpec
 from recurformer.decode_graph import DecodeGraph
@@ -402,7 +402,7 @@ def run(args) -> None:
                         results.add(shape, "throughput", {**row, "largest_batch": own, "original_largest_batch": base})
             del converted
             free()
-        original = None
+        del original  # the next shape's original is built alone
         free()
     results.data["seconds"] = time.perf_counter() - start
     results.save()

@@ -86,11 +86,7 @@ class HybridLayer(DynamicLayer):
         if capacity < self.tokens:
             raise ValueError(f"make_static: capacity {capacity} < the {self.tokens} tokens held")
         if self._key_buffer.shape[-2] < capacity:
-            shape = (*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[-1])
-            keys, values = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
-            keys[:, :, : self.tokens], values[:, :, : self.tokens] = self.keys, self.values
-            self._key_buffer, self._value_buffer = keys, values
-            self._view()
+            self._reallocate(self._key_buffer.shape[0], capacity)
         # the slots not written yet hold whatever the allocator left, NaN included, and a masked
         # slot still enters SDPA's sum with weight 0: 0 * NaN would be NaN
         self._key_buffer[:, :, self.tokens:].zero_()
@@ -114,6 +110,24 @@ class HybridLayer(DynamicLayer):
         if sliding_window is not None:
             visible &= self._slots >= self.length - sliding_window
         return self._key_buffer, self._value_buffer, visible[:, None, None, :]
+
+    def repeat_rows(self, batch: int, capacity: int) -> None:
+        """`HybridCache.repeat_rows` for this layer: its one row made `batch` rows, K/V buffers of
+        `capacity` tokens."""
+        if self._key_buffer is not None:
+            if capacity < self.tokens or self.keys.shape[0] != 1:
+                raise ValueError(f"repeat_rows: needs one row and capacity >= {self.tokens} tokens")
+            self._reallocate(batch, capacity)
+        self._map_state(lambda t: t.expand(batch, *t.shape[1:]).clone())
+
+    def _reallocate(self, batch: int, capacity: int) -> None:
+        """New K/V buffers `[batch, kept_kv_heads, capacity, D]` holding the tokens held (one row
+        repeated to `batch` rows, or the rows as they are)."""
+        shape = (batch, self._key_buffer.shape[1], capacity, self._key_buffer.shape[-1])
+        keys, values = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
+        keys[:, :, : self.tokens], values[:, :, : self.tokens] = self.keys, self.values
+        self._key_buffer, self._value_buffer = keys, values
+        self._view()
 
     def _view(self) -> None:
         """`keys`/`values`: the filled part of the buffers."""
@@ -217,15 +231,7 @@ class HybridCache(Cache):
         prompt holds, allocated once at its final size (`batch_repeat_interleave` would
         allocate the rows, then copy them again when the buffers next grow)."""
         for layer in self.layers:
-            if layer._key_buffer is not None:
-                if capacity < layer.tokens or layer.keys.shape[0] != 1:
-                    raise ValueError(f"repeat_rows: needs one row and capacity >= {layer.tokens} tokens")
-                shape = (batch, layer.keys.shape[1], capacity, layer.keys.shape[-1])
-                keys, values = layer.keys.new_empty(shape), layer.values.new_empty(shape)
-                keys[:, :, : layer.tokens], values[:, :, : layer.tokens] = layer.keys, layer.values
-                layer._key_buffer, layer._value_buffer = keys, values
-                layer._view()
-            layer._map_state(lambda t: t.expand(batch, *t.shape[1:]).clone())
+            layer.repeat_rows(batch, capacity)
 
     def make_static(self, capacity: int, starts: Tensor | None = None) -> None:
         """Every layer decodes statically from here on (`HybridLayer.make_static`)."""

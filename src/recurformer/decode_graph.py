@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .cache import CACHE_ARGUMENT, HybridCache
+from .device import model_device
 
 
 @torch.no_grad()
@@ -47,7 +48,7 @@ class DecodeGraph:
         cache.make_static(capacity, starts)
         self.model, self.cache = model, cache
         batch = cache.batch_size
-        device = next(model.parameters()).device
+        device = model_device(model)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.logits: Tensor | None = None

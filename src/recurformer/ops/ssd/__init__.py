@@ -9,13 +9,12 @@ tensors (CPU, fp32 or bf16), else `torch`.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..backends import BACKENDS, pick_backend
 from .chunked import DEFAULT_CHUNK, ssd_chunked
 from .compiled import ssd_compiled
-from .cuda import cuda_available, gpu_kernel, ssd_cuda
+from .cuda import cuda_available, gpu_kernel, gradients_flow, ssd_cuda
 from .naive import per_head, ssd_naive
 
 
@@ -35,8 +34,7 @@ def ssd(
     chunk length of the chunked kernels (for `compiled`: the steps between the states it
     saves for the backward pass; the naive loop has none)."""
     tensors = (x, dt, A, B, C, D, initial_state)
-    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    backend = pick_backend("ssd", backend, *tensors, cuda=x.is_cuda and cuda_available(x, B, backward))
+    backend = pick_backend("ssd", backend, *tensors, cuda=x.is_cuda and cuda_available(x, B, gradients_flow(*tensors)))
     if backend == "naive":
         return ssd_naive(x, dt, A, B, C, D, initial_state, return_final_state)
     kernel = {"torch": ssd_chunked, "compiled": ssd_compiled, "cuda": ssd_cuda}[backend]

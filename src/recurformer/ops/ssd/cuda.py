@@ -50,6 +50,11 @@ def fla_takes(x: Tensor, B: Tensor, backward: bool = False) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
+def gradients_flow(*tensors: Tensor | None) -> bool:
+    """Whether autograd records an op on `tensors` (a backward pass will follow)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def gpu_kernel(x: Tensor, B: Tensor, backward: bool = False) -> str | None:
     """The GPU kernel `ssd_cuda` runs on these tensors: `mamba-ssm`, `flash-linear-attention`, or None."""
     if not torch.cuda.is_available():
@@ -81,8 +86,7 @@ def ssd_cuda(
     chunk_size: int = DEFAULT_CHUNK,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """SSD on the GPU with mamba-ssm, else flash-linear-attention; shapes and results as in `ssd_naive`."""
-    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, dt, A, B, C, D, initial_state))
-    if not cuda_available(x, B, backward):
+    if not cuda_available(x, B, gradients_flow(x, dt, A, B, C, D, initial_state)):
         raise RuntimeError(
             "backend='cuda' needs a CUDA device and mamba-ssm, or flash-linear-attention with bf16/fp16 inputs, "
             "head and state sizes >= 16 and no backward pass (pip install 'recurformer[cuda]'); else use backend='torch'"
