@@ -430,6 +430,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself on tiny shapes")
     args = parser.parse_args()
     if args.render:
+        if not args.render.is_file():
+            raise SystemExit(f"gpu.py: --render {args.render}: no such file")
         write_text_atomic(args.render.with_suffix(".md"), render(args.render))
         return
     unknown = [m for m in args.models if m not in SHAPES]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -100,7 +101,14 @@ def main() -> None:
         return
     if not args.llama_bench or not args.model:
         parser.error("give --llama-bench and at least one --model NAME=GGUF (or --rows FILE)")
+    if not (Path(args.llama_bench).is_file() and os.access(args.llama_bench, os.X_OK)):
+        parser.error(f"--llama-bench {args.llama_bench}: not an executable file (benchmarks/speed/build_llama_cpp.sh builds it)")
+    if any("=" not in spec for spec in args.model):
+        parser.error(f"--model takes NAME=GGUF, got {args.model}")
     models = dict(spec.split("=", 1) for spec in args.model)
+    missing = [path for path in models.values() if not Path(path).is_file()]
+    if missing:
+        parser.error(f"--model: no such file {missing[0]}")
     rows, build = [], None
     for name, path in models.items():
         prefill = llama_bench(args.llama_bench, path, args.threads, args.repetitions, "-p", args.contexts, "-n", "0")
