@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from benchmark_scripts import benchmark_script
-from tiny_models import MIXERS, open_gates, spec_for, tiny_model
+from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer import convert
@@ -94,6 +94,83 @@ def test_the_average_rope_is_the_mean_rotation(press):
     rotated, _ = apply_rotary_pos_emb(vector.expand(1, 1, 7, 12), vector.expand(1, 1, 7, 12), cos, sin)
     torch.testing.assert_close(vector[0, 0] @ rotation.T, rotated[0, 0].mean(dim=0, keepdim=True), atol=1e-5,
                                rtol=1e-5)
+
+
+def test_kvzip_replays_the_context_in_chunks_after_the_chat_templates_user_prefix(press, monkeypatch):
+    monkeypatch.setattr(press, "REPLAY_CHUNK", 40)
+    tokenizer = tiny_tokenizer()
+    plain = press.Replay(tokenizer)
+    assert plain.prefix == 0 and plain.suffix == tokenizer.encode("\n", add_special_tokens=False)
+    tokenizer.chat_template = "{% for m in messages %}<eos>user: {{ m['content'] }}<eos>{% endfor %}assistant: "
+    replay = press.Replay(tokenizer)
+    assert replay.prefix == len(tokenizer.encode("<eos>user: ", add_special_tokens=False)) > 0
+    assert replay.suffix == tokenizer.encode("<eos>assistant: ", add_special_tokens=False)
+    context = ids(90)
+    chunks = replay.chunks(context)
+    assert [(start, end) for start, end, _ in chunks] == [(replay.prefix, replay.prefix + 40),
+                                                          (replay.prefix + 40, replay.prefix + 80),
+                                                          (replay.prefix + 80, 90)]
+    for number, (start, end, ids_) in enumerate(chunks):
+        request = replay.first if number == 0 else replay.later + context[start - 8:start]
+        assert ids_ == request + replay.suffix + context[start:end]
+
+
+def test_kvzip_scores_are_the_attention_the_models_replay_pays(press, monkeypatch):
+    """A key's KVzip score is the most attention a replay query of its group pays it, the
+    softmax over the sinks, the chunk and the replay: the weights the model computes on the
+    context followed by the replay (eager attention), renormalized over those keys."""
+    monkeypatch.setattr(press, "REPLAY_CHUNK", 40)
+    original = tiny_model("llama", attn_implementation="eager")
+    model = kept_everything(original)
+    hook = press.KeptPress(model, "kvzip", 1.0, tiny_tokenizer())
+    context = ids(90)
+    cache = prefill(model, context)
+    before = [layer.keys.clone() for layer in cache.layers]
+    scores = hook.kvzip_scores(cache, 90)
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, before))  # replays on copies
+    for start, end, replay in hook.replay.chunks(context):
+        with torch.no_grad():
+            attentions = original(torch.tensor([context + replay]), output_attentions=True).attentions
+        sinks = min(4, start)
+        columns = [*range(sinks), *range(start, end), *range(90, 90 + len(replay))]
+        for module in model.hybrid_attentions():
+            weights = attentions[module.layer_idx][0, :, 90:][..., columns]  # [Hq, R, keys]
+            weights = (weights / weights.sum(dim=-1, keepdim=True))[..., sinks:sinks + end - start]
+            heads = scores[module.layer_idx].shape[1]
+            expected = weights.view(heads, -1, len(replay), end - start).amax(dim=(1, 2))
+            torch.testing.assert_close(scores[module.layer_idx][0, :, start:end], expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="tokenizer"):
+        press.KeptPress(model, "kvzip", 0.5)
+
+
+def test_kvzip_keeps_the_sinks_and_its_best_scored_tokens_and_leaves_the_mixer_state(press, monkeypatch):
+    monkeypatch.setattr(press, "REPLAY_CHUNK", 40)
+    original = tiny_model("llama")
+    model = open_gates(convert(original, spec_for(original, 0.5), MIXERS["window+mamba2"]))
+    tokenizer = tiny_tokenizer()
+    hook = press.KeptPress(model, "kvzip", 0.5, tokenizer)
+    context = ids(90)
+    cache = prefill(model, context)
+    before = [(layer.keys.clone(), layer.values.clone(), {k: v.clone() for k, v in (layer.mixer_state or {}).items()})
+              for layer in cache.layers]
+    scores = hook.kvzip_scores(cache, 90)
+    hook(cache, len(context))
+    for module in model.hybrid_attentions():
+        layer = cache.layers[module.layer_idx]
+        keys, values, state = before[module.layer_idx]
+        assert layer.get_seq_length() == 45 and layer.keys.shape[2] == 45
+        assert all(torch.equal(layer.mixer_state[k], v) for k, v in state.items())
+        if module.has_attention:
+            ranked = scores[module.layer_idx].clone()
+            ranked[..., :4] = ranked.max() + 1
+            best = ranked.topk(45, dim=-1).indices.sort(dim=-1).values
+            assert bool((best[..., :4] == torch.arange(4)).all())
+            best = best[..., None].expand(-1, -1, -1, keys.shape[-1])
+            assert torch.equal(layer.keys, keys.gather(2, best)) and torch.equal(layer.values, values.gather(2, best))
+    hook.remove()
+    answer = prefilled_answer(model, context, ids(4, seed=3), 3, eos=set(),
+                              compress=press.KeptPress(model, "kvzip", 1.0, tokenizer))
+    assert answer == prefilled_answer(model, context, ids(4, seed=3), 3, eos=set())
 
 
 @pytest.mark.parametrize("name", ["knorm", "snapkv", "tova", "expected-attention"])

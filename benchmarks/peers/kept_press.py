@@ -14,7 +14,17 @@ kvpress (its own environment, `benchmarks/peers/`) hooks Hugging Face attention 
 - `expected-attention`: the attention that the mean and covariance of the context's queries
   (pre-RoPE, sinks excluded), rotated by the average RoPE of the next 512 positions, would pay
   to each key, softmaxed over the keys, averaged over the group, times the value's norm; the 4
-  first tokens are always kept.
+  first tokens are always kept;
+- `kvzip`: how much reconstructing the context needs each key (KVzip, arXiv 2505.23416): after
+  the prefill, the model is asked to repeat the context, in chunks of 2,048 tokens (each replay
+  from a copy of the prefilled cache: "Repeat the previous context exactly." or, after the
+  first, "Repeat the part of the previous context exactly, starting with" and the previous
+  chunk's last 8 tokens, then the chat template's assistant turn, then the chunk); a key's score
+  is the most attention any replay query of its group pays it, the softmax taken over the 4
+  sinks, the chunk and the replay itself. As kvpress, the first tokens that the chat template's
+  user prefix would take are not replayed (they score 0) and the 4 first tokens are always
+  kept. kvpress ranks all heads of all layers together (a head may keep more tokens than
+  another); here every kept head keeps the same count, as for the other presses.
 
 A press acts after the prefill of the context (kvpress compresses each layer right after it
 ran, which is the same: a layer's prefill output does not depend on what its cache keeps
@@ -25,6 +35,7 @@ afterwards): every layer's kept heads keep the `int(L * keep)` best-scored of th
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -33,10 +44,14 @@ from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer.attention import HybridAttention
+from recurformer.cache import CACHE_ARGUMENT
 
-PRESSES = ("knorm", "snapkv", "tova", "expected-attention")
+PRESSES = ("knorm", "snapkv", "tova", "expected-attention", "kvzip")
 SNAP_WINDOW, SNAP_KERNEL = 64, 5
 FUTURE_POSITIONS, SINKS = 512, 4
+REPLAY_CHUNK, REPLAY_OVERLAP = 2048, 8
+FIRST_REPLAY = "\n\nRepeat the previous context exactly."
+LATER_REPLAY = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
 def queries(module: HybridAttention, hidden: Tensor) -> Tensor:
@@ -97,23 +112,74 @@ def score(press: str, module: HybridAttention, hidden: Tensor, keys: Tensor, val
         scores = logits.softmax(dim=-1).view(batch, heads, groups, length - SINKS).mean(dim=2)
         scores = scores * values[:, :, SINKS:].norm(dim=-1)
         return F.pad(scores, (SINKS, 0), value=scores.max().item() + 1)
-    raise ValueError(f"unknown press {press!r}; choose from {', '.join(PRESSES)}")
+    raise ValueError(f"press {press!r} is not scored from the prefill alone")
+
+
+class Replay:
+    """KVzip's replay prompts as ids: the chat template's user prefix length (tokens of the
+    context not replayed), the first and later chunks' requests and the assistant turn."""
+
+    def __init__(self, tokenizer) -> None:
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        self.prefix, suffix = 0, "\n"
+        if tokenizer.chat_template is not None:  # the user turn's text before and after a stand-in context
+            stand_in, marker = "dummy context", "\n" + "#" * 13
+            turn = tokenizer.apply_chat_template([{"role": "user", "content": stand_in + marker}],
+                                                 add_generation_prompt=True, tokenize=False)
+            before, suffix = turn.split(marker)
+            self.prefix = len(encode(before.split(stand_in)[0]))
+        self.first, self.later, self.suffix = encode(FIRST_REPLAY), encode(LATER_REPLAY), encode(suffix)
+
+    def chunks(self, ids: list[int]) -> list[tuple[int, int, list[int]]]:
+        """(start, end, replay ids) of each chunk of the context `ids` that is replayed."""
+        out = []
+        for start in range(self.prefix, len(ids), REPLAY_CHUNK):
+            end = min(start + REPLAY_CHUNK, len(ids))
+            request = self.first if start == self.prefix else \
+                self.later + ids[max(self.prefix, start - REPLAY_OVERLAP):start]
+            out.append((start, end, request + self.suffix + ids[start:end]))
+        return out
+
+
+def replay_scores(module: HybridAttention, hidden: Tensor, keys: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                  start: int, end: int) -> Tensor:
+    """KVzip's scores `[B, Hkv_kept, end - start]` of the context keys `start ... end - 1`:
+    `hidden` `[B, R, hidden]` is the replay's input to the layer, `keys` `[B, Hkv_kept, L + R, D]`
+    the cache after it (the context's `L` keys, then the replay's)."""
+    batch, replay = hidden.shape[:2]
+    q = queries(module, hidden)
+    q, _ = apply_rotary_pos_emb(q, q, *position_embeddings)
+    sinks = min(SINKS, start)
+    subset = torch.cat([keys[:, :, :sinks], keys[:, :, start:end], keys[:, :, -replay:]], dim=2)
+    logits = q @ subset.repeat_interleave(module.num_key_value_groups, dim=1).transpose(2, 3)
+    logits = logits / math.sqrt(module.head_dim)
+    logits[..., -replay:] += torch.full((replay, replay), float("-inf")).triu(1)
+    weights = logits.softmax(dim=-1)[..., sinks:sinks + end - start]  # [B, Hq, R, end - start]
+    return weights.view(batch, keys.shape[1], module.num_key_value_groups, replay, -1).amax(dim=(2, 3))
 
 
 class KeptPress:
     """A press on the kept heads of a converted model: remembers each attention layer's last
     input (the prefill's, when called right after it) and compresses its cache."""
 
-    def __init__(self, model, press: str, keep: float) -> None:
+    def __init__(self, model, press: str, keep: float, tokenizer=None) -> None:
         if press not in PRESSES:
             raise ValueError(f"unknown press {press!r}; choose from {', '.join(PRESSES)}")
         if not 0 < keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {keep}")
-        self.press, self.keep = press, keep
+        if press == "kvzip" and tokenizer is None:
+            raise ValueError("the kvzip press needs the tokenizer (its replay prompts)")
+        self.model, self.press, self.keep = model, press, keep
         self.rotary = model.get_decoder().rotary_emb
         self.inputs: dict[int, tuple[Tensor, tuple[Tensor, Tensor]]] = {}
         self.modules = model.hybrid_attentions()
         self.hooks = [m.register_forward_pre_hook(self._remember, with_kwargs=True) for m in self.modules]
+        self.replay = Replay(tokenizer) if press == "kvzip" else None
+        self.ids: list[int] = []  # the last forward's input ids: the context's, right after its prefill
+        if self.replay is not None:
+            self.hooks.append(model.register_forward_pre_hook(self._remember_ids, with_kwargs=True))
 
     def remove(self) -> None:
         """Unhook from the model."""
@@ -125,17 +191,47 @@ class KeptPress:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         self.inputs[module.layer_idx] = (hidden, kwargs["position_embeddings"])
 
+    def _remember_ids(self, model, args, kwargs) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self.ids = ids[0].tolist()
+
+    @torch.no_grad()
+    def kvzip_scores(self, cache, length: int) -> dict[int, Tensor]:
+        """KVzip's scores `{layer: [B, Hkv_kept, length]}` of the kept heads in `cache` (just
+        prefilled with the context, which it leaves as it is; sinks not yet raised)."""
+        if len(self.ids) != length:
+            raise ValueError(f"the last forward fed {len(self.ids)} ids, not the context's {length}")
+        modules = {m.layer_idx: m for m in self.modules if m.has_attention}
+        scores = {layer: torch.zeros(cache.layers[layer].keys.shape[:2] + (length,)) for layer in modules}
+        context = self.ids
+        for start, end, replay in self.replay.chunks(context):
+            copied = copy.deepcopy(cache)
+            positions = torch.arange(length, length + len(replay))[None]
+            self.model(input_ids=torch.tensor([replay]), position_ids=positions, use_cache=True, logits_to_keep=1,
+                       **{CACHE_ARGUMENT: copied})
+            for layer, values in scores.items():
+                hidden, position_embeddings = self.inputs[layer]
+                values[..., start:end] = replay_scores(modules[layer], hidden, copied.layers[layer].keys,
+                                                       position_embeddings, start, end)
+        self.ids = context  # the replays' forwards were remembered too
+        return scores
+
     @torch.no_grad()
     def __call__(self, cache, length: int) -> None:
         """Keep `int(length * keep)` tokens of every kept head in `cache` (a `HybridCache` just
         prefilled with `length` tokens)."""
         kept = int(length * self.keep)
+        replayed = self.kvzip_scores(cache, length) if self.replay is not None else {}
         for module in self.modules:
             layer = cache.layers[module.layer_idx]
             if module.has_attention:
-                hidden, position_embeddings = self.inputs[module.layer_idx]
-                scores = score(self.press, module, hidden, layer.keys, layer.values, position_embeddings,
-                               self.rotary)
+                if self.replay is not None:
+                    scores = replayed[module.layer_idx]
+                    scores[..., :SINKS] = scores.max() + 1
+                else:
+                    hidden, position_embeddings = self.inputs[module.layer_idx]
+                    scores = score(self.press, module, hidden, layer.keys, layer.values, position_embeddings,
+                                   self.rotary)
                 index = scores.topk(kept, dim=-1).indices.sort(dim=-1).values
             else:  # no K/V to choose from, but every layer counts `kept` tokens: the attention mask's past length
                 index = torch.zeros(layer.keys.shape[0], 0, kept, dtype=torch.long)

@@ -81,9 +81,9 @@ def beta_of(model) -> float:
 class Rows:
     """Builds the rows of one run: the original, the budgets' models and their rivals."""
 
-    def __init__(self, original, budgets: dict[str, str], ablation_scores: str, compose_base: str | None,
+    def __init__(self, original, tokenizer, budgets: dict[str, str], ablation_scores: str, compose_base: str | None,
                  retrieval_scores: str | None = None):
-        self.original = original
+        self.original, self.tokenizer = original, tokenizer
         self.scores = {"duo": (ablation_scores, "ablation"), "duo-retrieval": (retrieval_scores, "ablation-retrieval")}
         self.models = {name: load_any(folder)[0].eval() for name, folder in budgets.items()}
         self.folders = budgets
@@ -142,7 +142,7 @@ class Rows:
             keep = (self.budget_bytes(budget, context) - state) / (per_token * context)
             if self.press is not None:
                 self.press.remove()
-            self.press = KeptPress(base, press, keep)
+            self.press = KeptPress(base, press, keep, self.tokenizer)
             return base, (f"the beta {beta_of(base):.2f} conversion with {press} keeping {keep:.3f} of its kept "
                           f"heads' tokens at {context:,} tokens"), \
                 round(per_token * int(context * keep) + state), self.press
@@ -225,7 +225,7 @@ def main() -> None:
     chosen = [(i, p) for i, p in enumerate(problems["problems"]) if p["kind"] in kinds]
     out = Path(args.out)
     original, tokenizer, _ = load_model(problems["model"], progress=False)
-    builder = Rows(original, budgets, args.ablation_scores, args.compose_base, args.retrieval_scores)
+    builder = Rows(original, tokenizer, budgets, args.ablation_scores, args.compose_base, args.retrieval_scores)
     budget_record = {name: {"model": folder, "beta": beta_of(builder.models[name]),
                             "groups": sorted(map(list, builder.models[name].config.replacement["groups"])),
                             "bytes": {str(c): builder.budget_bytes(name, c)

@@ -108,7 +108,7 @@ def main() -> None:
     length = problems["context"]
     out = Path(args.out)
     original, tokenizer, _ = load_model(problems["model"], progress=False)
-    builder = Rows(original, budgets, args.ablation_scores, args.compose_base, args.retrieval_scores)
+    builder = Rows(original, tokenizer, budgets, args.ablation_scores, args.compose_base, args.retrieval_scores)
     budget_record = {name: {"model": folder, "beta": beta_of(builder.models[name]),
                             "groups": sorted(map(list, builder.models[name].config.replacement["groups"])),
                             "bytes": builder.budget_bytes(name, length),

@@ -37,10 +37,14 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5,expected-attention@0.5", "conversion@0.5,snapkv@0.5", "conversion@0.5,knorm@0.5",
                "conversion@0.5-retrieval25,conversion@0.5", "conversion@0.5-q-retrieval25,conversion@0.5",
                "conversion@0.5-q-retrieval25,conversion@0.5-retrieval25", "conversion@0.5-retrieval25,kvzip@0.5",
-               "window@0.5,original",
+               "window@0.5,original", "kvzip@0.5,original",
                "conversion@0.25,window@0.25", "conversion@0.25,kvzip@0.25",
+               "conversion@0.25-ablation-retrieval,window@0.25-ablation-retrieval",
                "conversion@0.25-ablation-retrieval,kvzip@0.25",
-               "conversion@0.25-ablation-retrieval,conversion@0.25")
+               "conversion@0.25-ablation-retrieval,conversion@0.25",
+               "window@0.25-ablation-retrieval,window@0.25",
+               "compose-kvzip@0.25,kvzip@0.25", "compose-kvzip@0.25,conversion@0.25-ablation-retrieval",
+               "kvzip@0.25,original")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:

@@ -3,13 +3,15 @@ out-of-domain perplexity (the first 16,384 tokens of each, windows of 2,048: `ru
 evaluation) of the original and of trained conversions, each against the original and against
 the conversions trained the plain way (rows named `plain` or `plain~sN`, pooled as their
 mean). The target: a model trained on the retrieval mix pays at most 0.5% of held-out
-perplexity over the plain training.
+perplexity over the plain training. `--window NAME` adds the rival at equal bytes: the
+training-free `window` on the groups model NAME replaced, its ring buffer holding that model's
+state bytes (`recurformer.equal_cache.window_baseline`), as row `window`.
 
 Writes docs/results/retrieval-guard.json (resumable: a model already scored is kept) and
 docs/results/retrieval-guard.md.
 
     OMP_NUM_THREADS=1 python -m benchmarks.retrieval.guard --model plain=runs/demo/final \\
-        --model plain~s1=runs/demo-s1/final --model retrieval25=runs/demo-r25/final
+        --model plain~s1=runs/demo-s1/final --model retrieval25=runs/demo-r25/final --window plain
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from pathlib import Path
 
 import torch
 
-from recurformer.commands import eval_command
-from recurformer.files import write_json_atomic, write_text_atomic
-
 from benchmarks.common import RESULTS, TEXTS
+from recurformer.commands import eval_command
+from recurformer.equal_cache import window_baseline
+from recurformer.evaluate import lookup_task, make_options
+from recurformer.files import write_json_atomic, write_text_atomic
+from recurformer.loading import load_any
 
 OUT = RESULTS / "retrieval-guard.json"
 SIZES = dict(context=2048, max_tokens=16384)
@@ -45,15 +49,27 @@ def table(scores: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def window_perplexities(original: str, converted: str) -> tuple[dict[str, float], int]:
+    """({text: perplexity}, window) of the training-free `window` at `converted`'s bytes."""
+    teacher, tokenizer = load_any(original)
+    model, window = window_baseline(teacher, load_any(converted)[0])
+    task, _ = lookup_task("ppl")
+    return {text: task.measure(model.eval(), tokenizer, make_options(task, {"data": [str(path)], **SIZES}))["ppl"]
+            for text, path in TEXTS.items()}, window
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--original", default="smollm2-135m")
     parser.add_argument("--model", action="append", default=[], metavar="NAME=DIR", help="a trained conversion")
+    parser.add_argument("--window", metavar="NAME", help="add the training-free window at model NAME's bytes")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     models = dict(item.split("=", 1) for item in args.model if "=" in item)
-    if len(models) != len(args.model) or "original" in models:
-        raise SystemExit(f"error: --model takes NAME=DIR (NAME not 'original'), got {args.model}")
+    if len(models) != len(args.model) or {"original", "window"} & set(models):
+        raise SystemExit(f"error: --model takes NAME=DIR (NAME not 'original' or 'window'), got {args.model}")
+    if args.window is not None and args.window not in models:
+        raise SystemExit(f"error: --window {args.window}: not one of --model's names ({', '.join(models) or 'none'})")
     for name, folder in models.items():
         if not (Path(folder) / "config.json").is_file():
             raise SystemExit(f"error: --model {name}={folder}: not a model folder (no config.json)")
@@ -67,10 +83,20 @@ def main() -> None:
         results["models"][name], results["scores"][name] = model, scores
         write_json_atomic(out, results)
         print(f"{name}: " + ", ".join(f"{text} {ppl:.3f}" for text, ppl in scores.items()), flush=True)
+    if args.window is not None and results["models"].get("window") != f"window at {models[args.window]}":
+        scores, window = window_perplexities(args.original, models[args.window])
+        results["models"]["window"], results["scores"]["window"] = f"window at {models[args.window]}", scores
+        results["window"] = window
+        write_json_atomic(out, results)
+        print(f"window {window} + sinks: " + ", ".join(f"{text} {ppl:.3f}" for text, ppl in scores.items()), flush=True)
     text = ("# The guard of issue 44: text perplexity of retrieval-aware trainings\n\n"
             f"Written by `benchmarks/retrieval/guard.py`; the first {SIZES['max_tokens']:,} tokens of each text in windows "
             f"of {SIZES['context']:,}. Target: a retrieval-aware training at most {TARGET:.3f}x the plain training's "
-            "held-out perplexity.\n\n" + table(results["scores"]) + "\n")
+            "held-out perplexity."
+            + (f" `window`: the training-free window of {results['window']} tokens + sinks on the same groups, at the "
+               f"bytes of {results['models']['window'].removeprefix('window at ')}: the rival at equal bytes."
+               if "window" in results["scores"] else "")
+            + "\n\n" + table(results["scores"]) + "\n")
     write_text_atomic(out.with_suffix(".md"), text)
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
