@@ -16,8 +16,10 @@ def guard():
 
 def test_the_table_divides_by_the_original_and_the_plain_trainings_mean(guard):
     scores = {"original": {"heldout": 20.0, "ood": 30.0}, "plain": {"heldout": 21.0, "ood": 31.0},
-              "plain~s1": {"heldout": 23.0, "ood": 29.0}, "window": {"heldout": 22.0, "ood": 33.0}}
+              "window": {"heldout": 22.0, "ood": 33.0}, "mix": {"heldout": 22.0, "ood": 30.0},
+              "plain~s1": {"heldout": 23.0, "ood": 29.0}}
     rows = {line.split(" | ")[0].strip("| "): line for line in guard.table(scores).splitlines()[2:]}
+    assert list(rows) == ["original", "plain", "plain~s1", "mix", "window"]
     assert rows["window"] == "| window | 22.000 | 1.1000x | 1.0000x | 33.000 | 1.1000x | 1.1000x |"
     assert rows["original"].endswith("| 30.000 | 1.0000x | - |")
 

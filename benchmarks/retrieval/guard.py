@@ -39,7 +39,8 @@ def table(scores: dict[str, dict[str, float]]) -> str:
     plain = {text: [s[text] for name, s in scores.items() if name.split("~")[0] == "plain"] for text in TEXTS}
     lines = ["| model | held-out ppl | x original | x plain | out-of-domain ppl | x original | x plain |",
              "|---|---|---|---|---|---|---|"]
-    for name, s in scores.items():
+    order = {"original": 0, "plain": 1, "window": 3}  # the retrieval trainings (2) between the plain ones and the window
+    for name, s in sorted(scores.items(), key=lambda item: order.get(item[0].split("~")[0], 2)):
         cells = [name]
         for text in TEXTS:
             base = sum(plain[text]) / len(plain[text]) if plain[text] else float("nan")
