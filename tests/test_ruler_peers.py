@@ -307,3 +307,23 @@ def test_ruler_ours_refuses_bad_rows_and_budgets_before_loading_a_model(argv, me
         monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
         with pytest.raises(SystemExit, match=message):
             module.main()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--problems", "MISSING"], "no such file: .*missing.json"),
+    (["--row", "tova@0.25"], "--row tova@0.25: not in"),
+    (["--digest", "other"], "answers another problem set"),
+])
+def test_kvzip_allocation_refuses_bad_input_before_loading_a_model(argv, message, tmp_path, monkeypatch):
+    problems, peers = tmp_path / "problems.json", tmp_path / "peers.json"
+    problems.write_text(json.dumps({"digest": "abc", "model": "m", "contexts": [], "eos": []}))
+    digest = argv[1] if argv[0] == "--digest" else "abc"
+    peers.write_text(json.dumps({"problems": digest, "rows": {"kvzip@0.25": {"cache": 1, "full": 4, "contexts": {}}}}))
+    argv = [] if argv[0] == "--digest" else [arg.replace("MISSING", str(tmp_path / "missing.json")) for arg in argv]
+    with benchmark_script("peers.kvzip_allocation") as module:
+        monkeypatch.setattr("sys.argv", ["kvzip_allocation.py", "--problems", str(problems), "--peers", str(peers),
+                                         *argv, "--out", str(tmp_path / "out.json")])
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+        with pytest.raises(SystemExit, match=message):
+            module.main()
+    assert not (tmp_path / "out.json").exists()
