@@ -123,3 +123,45 @@ def test_a_row_answers_a_context_as_the_task_does(tmp_path):
         assert [r["completion"] for r in got[mode]] == [tokenizer.decode(r["answer"], skip_special_tokens=True)
                                                          for r in records]
         assert [r["argmax"] for r in got[mode]] == [r["argmax"] for r in records]
+
+
+def test_rows_made_before_the_set_grew_are_read_on_their_contexts(table):
+    """A set grown to 6 contexts: rows made on its first 4 stay in the table, the rows that answered
+    all 6 are listed on them and compared on every context both rows answered."""
+    ours = rows_file(table, {
+        "original": row(None, "original", [{0, 1, 2}] * 6),
+        "window@0.5": row("0.5", "window", [{0}] * 4, cache=208),
+        "conversion@0.5": row("0.5", "conversion", [{0, 1}] * 4 + [{0}, {0}], cache=208),
+    }, contexts=6, digest="grown")
+    ours["extends"] = ["first4"]
+    peers = {"schema": table.SCHEMA, "problems": "first4", "rows": {"kvzip@0.5": row("0.5", "kvzip", [{0}] * 6, 208)}}
+    text, _ = table.Table(ours, peers, contexts=4).render()
+    assert text.startswith("4 contexts, 12 questions in all.")
+    lines = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
+    assert set(lines) == {"original", "window@0.5", "conversion@0.5", "kvzip@0.5"}
+    assert "| **66.7** (66.7-66.7) | 67% |" in lines["conversion@0.5"]
+    assert "- `conversion@0.5` on 6 contexts: **55.6** (" in text and ", 56% of the original's 100.0 on them" in text
+    assert "- `original` on 6 contexts: **100.0**" in text and "`window@0.5` on" not in text
+    assert "`conversion@0.5` - `kvzip@0.5` (on the 6 contexts both have answered): multi-request/exact +22.2" in text
+    assert "`conversion@0.5` - `window@0.5`: multi-request/exact +33.3" in text
+    with pytest.raises(table.TableError, match="different problem sets"):
+        table.Table(ours, {**peers, "problems": "another"})
+
+
+def test_a_grown_set_names_the_sets_it_extends(tmp_path):
+    with benchmark_script("peers.shared_problems") as module:
+        base = {"schema": module.SCHEMA, "model": "m", "seed": 0, "context": 64}
+        old = {**base, "contexts": [{"ids": [1]}, {"ids": [2]}], "digest": "old", "extends": ["older"]}
+        path = tmp_path / "set.json"
+        path.write_text(json.dumps(old))
+        grown = {**base, "contexts": [{"ids": [1]}, {"ids": [2]}, {"ids": [3]}], "digest": "new"}
+        assert module.grown_from(path, grown) == ["old", "older"]
+        assert module.grown_from(path, {**grown, "contexts": [{"ids": [9]}, {"ids": [2]}, {"ids": [3]}]}) == []
+        assert module.grown_from(path, {**grown, "seed": 1}) == []
+        assert module.grown_from(tmp_path / "none.json", grown) == []
+    with benchmark_script("peers.ruler_ours") as module:
+        rows = tmp_path / "rows.json"
+        rows.write_text(json.dumps({"schema": "s", "problems": "old", "rows": {"original": {}}}))
+        assert module.load_results(rows, "new", "s", ("old",))["problems"] == "new"
+        with pytest.raises(SystemExit, match="was made on problem set old, not new"):
+            module.load_results(rows, "new", "s")

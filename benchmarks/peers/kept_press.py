@@ -23,13 +23,18 @@ kvpress (its own environment, `benchmarks/peers/`) hooks Hugging Face attention 
   is the most attention any replay query of its group pays it, the softmax taken over the 4
   sinks, the chunk and the replay itself. As kvpress, the first tokens that the chat template's
   user prefix would take are not replayed (they score 0) and the 4 first tokens are always
-  kept. kvpress ranks all heads of all layers together (a head may keep more tokens than
-  another); here every kept head keeps the same count, as for the other presses.
+  kept.
 
 A press acts after the prefill of the context (kvpress compresses each layer right after it
 ran, which is the same: a layer's prefill output does not depend on what its cache keeps
-afterwards): every layer's kept heads keep the `int(L * keep)` best-scored of the context's
-`L` tokens, each head its own; the replaced heads' mixer state is not touched.
+afterwards); the replaced heads' mixer state is not touched. How many tokens a head keeps of
+the context's `L` (`allocation`):
+- `head`: every kept head of every layer keeps its `int(L * keep)` best-scored tokens;
+- `global`: the tokens of all kept heads of all layers are ranked together and the
+  `int(L * keep)` x (kept heads) best kept, so one head may keep more than another, as
+  kvpress's KVzip ranks them. The cache then holds, per layer, as many slots as the head that
+  keeps most and hides the others' extra slots from attention (`HybridLayer.keep_tokens` with
+  counts), as kvpress hides them: the bytes counted are those of the kept tokens.
 `tests/test_ruler_peers.py` checks each scorer against kvpress's formulas on a tiny model.
 """
 
@@ -47,6 +52,7 @@ from recurformer.attention import HybridAttention
 from recurformer.cache import CACHE_ARGUMENT
 
 PRESSES = ("knorm", "snapkv", "tova", "expected-attention", "kvzip")
+ALLOCATIONS = ("head", "global")
 SNAP_WINDOW, SNAP_KERNEL = 64, 5
 FUTURE_POSITIONS, SINKS = 512, 4
 REPLAY_CHUNK, REPLAY_OVERLAP = 2048, 8
@@ -164,14 +170,16 @@ class KeptPress:
     """A press on the kept heads of a converted model: remembers each attention layer's last
     input (the prefill's, when called right after it) and compresses its cache."""
 
-    def __init__(self, model, press: str, keep: float, tokenizer=None) -> None:
+    def __init__(self, model, press: str, keep: float, tokenizer=None, allocation: str = "head") -> None:
         if press not in PRESSES:
             raise ValueError(f"unknown press {press!r}; choose from {', '.join(PRESSES)}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {allocation!r}; choose from {', '.join(ALLOCATIONS)}")
         if not 0 < keep <= 1:
             raise ValueError(f"keep must be in (0, 1], got {keep}")
         if press == "kvzip" and tokenizer is None:
             raise ValueError("the kvzip press needs the tokenizer (its replay prompts)")
-        self.model, self.press, self.keep = model, press, keep
+        self.model, self.press, self.keep, self.allocation = model, press, keep, allocation
         self.rotary = model.get_decoder().rotary_emb
         self.inputs: dict[int, tuple[Tensor, tuple[Tensor, Tensor]]] = {}
         self.modules = model.hybrid_attentions()
@@ -219,21 +227,47 @@ class KeptPress:
     @torch.no_grad()
     def __call__(self, cache, length: int) -> None:
         """Keep `int(length * keep)` tokens of every kept head in `cache` (a `HybridCache` just
-        prefilled with `length` tokens)."""
+        prefilled with `length` tokens), or as many on average (`allocation` "global")."""
         kept = int(length * self.keep)
-        replayed = self.kvzip_scores(cache, length) if self.replay is not None else {}
+        scores = self.kvzip_scores(cache, length) if self.replay is not None else {}
+        for module in (m for m in self.modules if m.has_attention and self.replay is None):
+            hidden, position_embeddings = self.inputs[module.layer_idx]
+            layer = cache.layers[module.layer_idx]
+            scores[module.layer_idx] = score(self.press, module, hidden, layer.keys, layer.values, position_embeddings,
+                                             self.rotary)
+        if self.replay is not None:
+            for values in scores.values():
+                values[..., :SINKS] = float("inf")
+        if self.allocation == "global":
+            chosen = global_selection(scores, kept)
+        else:
+            chosen = {layer: (values.topk(kept, dim=-1).indices.sort(dim=-1).values, None)
+                      for layer, values in scores.items()}
+        width = next(iter(chosen.values()))[0].shape[-1] if chosen else kept
         for module in self.modules:
             layer = cache.layers[module.layer_idx]
-            if module.has_attention:
-                if self.replay is not None:
-                    scores = replayed[module.layer_idx]
-                    scores[..., :SINKS] = scores.max() + 1
-                else:
-                    hidden, position_embeddings = self.inputs[module.layer_idx]
-                    scores = score(self.press, module, hidden, layer.keys, layer.values, position_embeddings,
-                                   self.rotary)
-                index = scores.topk(kept, dim=-1).indices.sort(dim=-1).values
-            else:  # no K/V to choose from, but every layer counts `kept` tokens: the attention mask's past length
-                index = torch.zeros(layer.keys.shape[0], 0, kept, dtype=torch.long)
-            layer.keep_tokens(index)
+            # a layer without kept heads has no K/V, but it counts the tokens: the attention mask's past length
+            index, counts = chosen.get(module.layer_idx, (torch.zeros(layer.keys.shape[0], 0, width, dtype=torch.long),
+                                                          None))
+            layer.keep_tokens(index, counts)
         self.inputs.clear()
+
+
+def global_selection(scores: dict[int, Tensor], kept: int) -> dict[int, tuple[Tensor, Tensor]]:
+    """The `kept` x (heads) best of all heads' scores ranked together (`scores` `{layer:
+    [B, Hkv_kept, L]}`) -> `{layer: (index [B, Hkv_kept, n], counts [B, Hkv_kept])}`: each head's
+    chosen tokens first, in order, then its others up to `n`, the most any head keeps."""
+    layers = sorted(scores)
+    flat = torch.cat([scores[layer] for layer in layers], dim=1)  # [B, H, L]
+    batch, heads, length = flat.shape
+    best = flat.flatten(1).topk(min(kept * heads, heads * length), dim=-1).indices
+    chosen = torch.zeros(batch, heads * length, dtype=torch.bool).scatter_(1, best, True).view(batch, heads, length)
+    counts = chosen.sum(-1)
+    order = (~chosen).long() * length + torch.arange(length)  # chosen first, each part by position
+    index = order.sort(dim=-1).values[..., :int(counts.max())] % length
+    out, start = {}, 0
+    for layer in layers:
+        width = scores[layer].shape[1]
+        out[layer] = (index[:, start:start + width], counts[:, start:start + width])
+        start += width
+    return out

@@ -229,7 +229,8 @@ def measure_shared(model, tokenizer, args) -> None:
     conversation = conversation_module()
     problems = read_json(Path(args.shared), "problem set")
     ours = read_json(Path(args.ours), "our rows")
-    if ours.get("problems") != problems["digest"]:
+    accepted = (problems["digest"], *problems.get("extends", ()))  # a prefix's rows stay valid (shared_problems.py)
+    if ours.get("problems") not in accepted:
         raise SystemExit(f"error: {args.ours} was made on problem set {ours.get('problems')}, not {problems['digest']}")
     per_token, eos, out = bytes_per_token(model), set(problems["eos"]), Path(args.out)
 
@@ -243,7 +244,7 @@ def measure_shared(model, tokenizer, args) -> None:
         for name in (n for n in args.presses.split(",") if n):
             label, press_class = PRESSES[name]
             row_name = f"{name}@{budget}"
-            results = open_results(out, SHARED_SCHEMA, problems["digest"])
+            results = open_results(out, SHARED_SCHEMA, problems["digest"], accepted)
             length = problems["context"]
             ratio = 1 - ours["budgets"][budget]["bytes"] / (per_token * length)
             row = results["rows"].get(row_name, {"budget": budget, "kind": name, "contexts": {}, "seconds": 0.0})
@@ -265,8 +266,9 @@ def measure_shared(model, tokenizer, args) -> None:
                             "logprobs": [round(v, 5) for v in r["logprobs"]], "argmax": r["argmax"]}
                            for r in records] for mode, records in answered.items()}
                 row["seconds"] += time.time() - start
-                latest = read_json(out, "results") if out.exists() else results
+                latest = open_results(out, SHARED_SCHEMA, problems["digest"], accepted)
                 latest["rows"][row_name] = row
+                latest["extends"] = problems.get("extends", [])
                 latest["versions"] = {n: version(n) for n in ("kvpress", "transformers", "torch")}
                 write_json_atomic(out, latest)
                 right = sum(r["completion"].strip().startswith(n["value"])
@@ -275,11 +277,13 @@ def measure_shared(model, tokenizer, args) -> None:
     print(f"wrote {out}")
 
 
-def open_results(out: Path, schema: str, digest: str) -> dict:
-    """The rows file at `out` (a new one of `schema` if there is none), made on problem set `digest`."""
+def open_results(out: Path, schema: str, digest: str, accepted: tuple[str, ...] = ()) -> dict:
+    """The rows file at `out` (a new one of `schema` if there is none), made on problem set `digest`
+    or on one of `accepted` (a prefix of it, shared_problems.py: the file then counts as made on `digest`)."""
     results = read_json(out, "results") if out.exists() else {"schema": schema, "problems": digest, "rows": {}}
-    if results.get("problems") != digest:
+    if results.get("problems") != digest and results.get("problems") not in accepted:
         raise SystemExit(f"error: {out} was made on problem set {results.get('problems')}; use another --out")
+    results["problems"] = digest
     return results
 
 

@@ -1,12 +1,14 @@
 """Does KVzip need its uneven budgets? KVzip's scores (`kept_press.py`) on the original model with
-every head kept, each head keeping the same count of tokens, against kvpress's KVzip (which ranks
-all heads of all layers together) at the same bytes, on the first contexts of the shared-context
-set (docs/results/long-context.md, "Shared context"). The composed rows (`compose-kvzip@B`)
-give every kept head the same count: this measures what that costs KVzip itself.
+every head kept, against kvpress's KVzip at the same bytes, on the first contexts of the
+shared-context set (docs/results/long-context.md, "Shared context"), with each `--allocation`:
+`even` (`head`: every head keeps the same count, as the `compose-kvzip@B` rows) and `global`
+(all heads' tokens ranked together, as kvpress ranks them and as the `compose-global-kvzip@B`
+rows). `global` matching kvpress checks our KVzip; `even` below it measures what the even split
+costs KVzip itself.
 
-Writes docs/results/long-context/kvzip-allocation.json (resumable per context).
+Writes docs/results/long-context/kvzip-allocation.json (resumable per context and allocation).
 
-    OMP_NUM_THREADS=1 python -m benchmarks.peers.kvzip_allocation --contexts 4
+    OMP_NUM_THREADS=1 python -m benchmarks.peers.kvzip_allocation --contexts 4 --allocation global
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from benchmarks.peers.kept_press import KeptPress
 from benchmarks.peers.shared_ours import RESULTS, answer_context
 from benchmarks.peers.shared_table import is_exact
 
+ALLOCATIONS = {"even": "head", "global": "global"}  # this script's names -> KeptPress's
+
 
 def right(answers: dict, context: dict) -> int:
     """Questions of `context` answered exactly, multi-request."""
@@ -40,6 +44,7 @@ def main() -> None:
     parser.add_argument("--peers", default=str(RESULTS / "shared-kvpress.json"))
     parser.add_argument("--row", default="kvzip@0.25", help="kvpress's KVzip row to set against")
     parser.add_argument("--contexts", type=int, default=4)
+    parser.add_argument("--allocation", default="even", choices=sorted(ALLOCATIONS))
     parser.add_argument("--out", default=str(RESULTS / "kvzip-allocation.json"))
     args = parser.parse_args()
     for path in (args.problems, args.peers):
@@ -48,35 +53,39 @@ def main() -> None:
     problems, peers = json.loads(Path(args.problems).read_text()), json.loads(Path(args.peers).read_text())
     if args.row not in peers["rows"]:
         raise SystemExit(f"error: --row {args.row}: not in {args.peers} ({', '.join(peers['rows'])})")
-    if peers.get("problems") != problems["digest"]:
+    accepted = (problems["digest"], *problems.get("extends", ()))  # a prefix's rows stay valid (shared_problems.py)
+    if peers.get("problems") not in accepted:
         raise SystemExit(f"error: {args.peers} answers another problem set than {args.problems}")
     torch.set_num_threads(1)
     peer = peers["rows"][args.row]
     keep = peer["cache"] / peer["full"]  # the fraction of the original's bytes the press kept
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {}
-    if result.get("problems") != problems["digest"] or result.get("row") != args.row:
+    if result.get("problems") not in accepted or result.get("row") != args.row:
         result = {"problems": problems["digest"], "row": args.row, "keep": keep, "contexts": {}}
+    result["problems"] = problems["digest"]
     original, tokenizer, _ = load_model(problems["model"], progress=False)
     config = original.config
     every_head_kept = ReplacementSpec(config.num_hidden_layers, config.num_key_value_heads, [])
     model = convert(original, every_head_kept, MixerConfig(kind="window", window=64, sinks=4)).eval()
     eos = set(problems["eos"])
     for index in range(args.contexts):
-        if str(index) in result["contexts"]:
+        done = result["contexts"].setdefault(str(index), {})
+        if args.allocation in done:
             continue
         context, start = problems["contexts"][index], time.time()
-        press = KeptPress(model, "kvzip", keep, tokenizer)
+        press = KeptPress(model, "kvzip", keep, tokenizer, ALLOCATIONS[args.allocation])
         answers = answer_context(model, tokenizer, context, eos, press)
         press.remove()
-        result["contexts"][str(index)] = {"even": right(answers, context), "kvpress": right(peer["contexts"][str(index)],
-                                                                                           context),
-                                          "questions": len(context["needles"]), "seconds": time.time() - start}
+        done.update({args.allocation: right(answers, context), "kvpress": right(peer["contexts"][str(index)], context),
+                     "questions": len(context["needles"]), f"seconds_{args.allocation}": time.time() - start})
         write_json_atomic(out, result)
-        print(f"context {index}: {result['contexts'][str(index)]}", flush=True)
-    even, theirs = (sum(c[k] for c in result["contexts"].values()) for k in ("even", "kvpress"))
-    total = sum(c["questions"] for c in result["contexts"].values())
-    print(f"KVzip's scores, every head keeping {keep:.3f} of the tokens: {even}/{total}; kvpress's KVzip: {theirs}/{total}")
+        print(f"context {index}: {done}", flush=True)
+    measured = [c for c in result["contexts"].values() if args.allocation in c]
+    ours, theirs = (sum(c[k] for c in measured) for k in (args.allocation, "kvpress"))
+    total = sum(c["questions"] for c in measured)
+    print(f"KVzip's scores, allocation {args.allocation}, keeping {keep:.3f} of the tokens: {ours}/{total}; "
+          f"kvpress's KVzip: {theirs}/{total}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ model's cache holds at C tokens (its kept K/V grow with C, its mixer state does 
   sized at each C to the budget's bytes;
 - `compose-PRESS@B`: the model of `--compose-base` (a smaller compression, e.g. the beta 0.5
   model) with PRESS (`kept_press.py`) on its kept heads, keeping at each C the fraction of
-  their tokens that brings its cache to the budget's bytes;
+  their tokens that brings its cache to the budget's bytes, every head the same count;
+  `compose-global-PRESS@B`: the same count on average, all heads' tokens ranked together;
 
 and `original`. Rows and problems already in `--out` are kept: an interrupted run resumes.
 
@@ -136,15 +137,17 @@ class Rows:
             return row, f"StreamingLLM: every group window {window} + {SINKS} sinks at {context:,} tokens", \
                 self._bytes(row, context), None
         if kind.startswith("compose-"):
-            press = kind.removeprefix("compose-")
+            press = kind.removeprefix("compose-").removeprefix("global-")
+            allocation = "global" if kind.startswith("compose-global-") else "head"
             base = self.models[self.compose_base]
             per_token, state = self.lines[self.compose_base]
             keep = (self.budget_bytes(budget, context) - state) / (per_token * context)
             if self.press is not None:
                 self.press.remove()
-            self.press = KeptPress(base, press, keep, self.tokenizer)
+            self.press = KeptPress(base, press, keep, self.tokenizer, allocation)
+            each = "on average, all heads ranked together" if allocation == "global" else "each"
             return base, (f"the beta {beta_of(base):.2f} conversion with {press} keeping {keep:.3f} of its kept "
-                          f"heads' tokens at {context:,} tokens"), \
+                          f"heads' tokens ({each}) at {context:,} tokens"), \
                 round(per_token * int(context * keep) + state), self.press
         raise SystemExit(f"error: unknown row kind {kind!r}")
 
@@ -158,7 +161,8 @@ def parse_row(name: str, budgets: dict[str, str], compose_base: str | None) -> t
     if name == "original":
         return "original", None
     kind, _, budget = name.partition("@")
-    kinds = ("conversion", "window", "duo", "duo-retrieval", "streaming", *(f"compose-{p}" for p in PRESSES))
+    kinds = ("conversion", "window", "duo", "duo-retrieval", "streaming", *(f"compose-{p}" for p in PRESSES),
+             *(f"compose-global-{p}" for p in PRESSES))
     if kind not in kinds or budget not in budgets:
         raise SystemExit(f"error: row {name!r}: rows are original or KIND@BUDGET, KIND one of {', '.join(kinds)}, "
                          f"BUDGET one of --budget's names ({', '.join(budgets) or 'none given'})")
@@ -167,14 +171,16 @@ def parse_row(name: str, budgets: dict[str, str], compose_base: str | None) -> t
     return kind, budget
 
 
-def load_results(path: Path, digest: str, schema: str = SCHEMA) -> dict:
-    """The rows file at `path` (a new one of `schema` if there is none), made on problem set `digest`."""
+def load_results(path: Path, digest: str, schema: str = SCHEMA, extends: tuple[str, ...] = ()) -> dict:
+    """The rows file at `path` (a new one of `schema` if there is none), made on problem set `digest`
+    or on one it `extends` (its first contexts: the file then counts as made on `digest`)."""
     if not path.exists():
         return {"schema": schema, "problems": digest, "rows": {}}
     results = json.loads(path.read_text())
-    if results.get("problems") != digest:
+    if results.get("problems") != digest and results.get("problems") not in extends:
         raise SystemExit(f"error: {path} was made on problem set {results.get('problems')}, not {digest}; "
                          "use another --out")
+    results["problems"] = digest
     return results
 
 

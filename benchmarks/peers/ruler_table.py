@@ -221,6 +221,8 @@ def render(ours: dict, peers: dict | None) -> tuple[str, dict]:
 
 def write_section(doc: Path, begin: str, end: str, text: str) -> None:
     """Replace what stands between the lines `begin` and `end` of `doc` by `text`."""
+    if not doc.is_file():
+        raise TableError(f"--doc {doc} does not exist")
     content = doc.read_text()
     if content.count(begin) != 1 or content.count(end) != 1:
         raise TableError(f"{doc} needs one {begin} and one {end} line")

@@ -11,7 +11,8 @@ Rows and budgets are `ruler_ours.py`'s (`--budget NAME=DIR`, rows `KIND@BUDGET`)
 budget's bytes at the problem set's context length. Another training of a budget's model is a
 budget of its own, named `NAME~sN` (`--budget 0.5~s1=runs/demo-s1/final`); the table pools a
 row's trainings (`conversion@0.5`, `conversion@0.5~s1`, ...) into one row whose interval
-resamples them. Contexts already answered in `--out` are kept: an interrupted run resumes.
+resamples them. Contexts already answered in `--out` are kept: an interrupted run resumes, and
+a row made before the problem set grew (`shared_problems.py`) answers only the new contexts.
 
     OMP_NUM_THREADS=1 python -m benchmarks.peers.shared_ours --budget 0.5=runs/demo/final \\
         --rows original,conversion@0.5,window@0.5
@@ -54,11 +55,12 @@ def problem_index(problems: dict) -> list[dict]:
 
 def save(path: Path, problems: dict, name: str, row: dict, budgets: dict) -> None:
     """Write `row` into the results at `path`, read again just before (other runs' rows are kept)."""
-    results = load_results(path, problems["digest"], SCHEMA)
+    results = load_results(path, problems["digest"], SCHEMA, tuple(problems.get("extends", ())))
     results["rows"][name] = row
     results["budgets"] = {**results.get("budgets", {}), **budgets}
     results["index"] = problem_index(problems)
     results["context"] = problems["context"]
+    results["extends"] = problems.get("extends", [])
     write_json_atomic(path, results)
 
 
@@ -116,7 +118,7 @@ def main() -> None:
     eos = set(problems["eos"])
     for name, kind, budget in rows:
         model, label, size, compress = builder.build(kind, budget, length)
-        row = load_results(out, problems["digest"], SCHEMA)["rows"].get(name, {"budget": budget, "kind": kind,
+        row = load_results(out, problems["digest"], SCHEMA, tuple(problems.get("extends", ())))["rows"].get(name, {"budget": budget, "kind": kind,
                                                                          "contexts": {}, "seconds": 0.0})
         row.update(label=label, cache=size, full=builder.full_per_token * length)
         todo = [i for i in range(len(contexts)) if str(i) not in row["contexts"]]

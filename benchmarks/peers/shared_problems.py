@@ -10,12 +10,20 @@ is `ids` (what a press may compress), and per asked needle its question as the f
 the value), the index of the gold's first visible token (`starts`), the needle's kind, depth
 and value. `eos` are the ids that end an answer; an answer also ends at a line break.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.peers.shared_problems
+The set can grow: context `i` depends on the seed and `i` alone, so the first 40 contexts of an
+80-context set are the 40 of the 40-context set. When `--out` already holds a set whose contexts
+are the new set's first ones, the new set records its digest (and those it grew from) in
+`extends`; rows made on such a prefix stay valid, and a row answers the new contexts
+when it is run again.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.peers.shared_problems [--contexts 80]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from recurformer.evaluate.ruler import eos_ids
 from recurformer.evaluate.shared_context import BEST_FORMAT, NEEDLES, context_ids, shared_problems, value_start
@@ -53,9 +61,23 @@ def main() -> None:
                 "seed": args.seed, "context": args.context, "needles": args.needles,
                 "eos": sorted(eos_ids(model, tokenizer)), "contexts": contexts}
     problems["digest"] = digest(problems)
+    problems["extends"] = grown_from(Path(args.out), problems)
     write_json_atomic(args.out, problems)
+    grown = f", grown from {', '.join(problems['extends'])}" if problems["extends"] else ""
     print(f"wrote {args.out}: {len(contexts)} contexts of {args.context:,} tokens, {args.needles} questions each, "
-          f"digest {problems['digest']}")
+          f"digest {problems['digest']}{grown}")
+
+
+def grown_from(path: Path, problems: dict) -> list[str]:
+    """The digests of the sets at `path` that `problems` extends: the set there and the sets it
+    extends, when its contexts are `problems`' first ones and all else is equal; else none."""
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    same = all(old.get(key) == value for key, value in problems.items() if key not in ("contexts", "digest"))
+    if not same or old["contexts"] != problems["contexts"][:len(old["contexts"])]:
+        return []
+    return list(dict.fromkeys(d for d in (old["digest"], *old.get("extends", ())) if d != problems["digest"]))
 
 
 if __name__ == "__main__":

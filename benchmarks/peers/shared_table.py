@@ -10,6 +10,10 @@ trainings where it has several (rows `NAME~sN` pool into `NAME`); a comparison r
 contexts of both rows together (`recurformer.evaluate.bootstrap`). The tables replace the part
 of `--doc` between `<!-- shared-context:begin -->` and `<!-- shared-context:end -->`.
 
+The table reads the first `--contexts` contexts (40), which every row answers; the problem set
+may hold more (`shared_problems.py` grows it), and the rows that answered more are listed again
+on all of theirs, and compared on every context both rows answered.
+
     python -m benchmarks.peers.shared_table
     python -m benchmarks.peers.shared_table --compare conversion@0.5,window@0.5
 """
@@ -31,6 +35,7 @@ RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-shared-context-rows/1"
 BEGIN, END = "<!-- shared-context:begin -->", "<!-- shared-context:end -->"
 MODES = ("multi-request", "multi-turn")
+TABLE_CONTEXTS = 40
 # The comparisons the docs state, each printed with its paired interval when both rows exist.
 COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversion@0.5,duo@0.5",
                "conversion@0.5,kvzip@0.5", "conversion@0.5,streaming@0.5", "conversion@0.5,tova@0.5",
@@ -66,11 +71,12 @@ def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
 class Table:
     """Rows pooled over their trainings and scored per context."""
 
-    def __init__(self, ours: dict, peers: dict | None):
-        if peers is not None and peers.get("problems") != ours.get("problems"):
+    def __init__(self, ours: dict, peers: dict | None, contexts: int = TABLE_CONTEXTS):
+        if peers is not None and not same_set(ours, peers):
             raise TableError(f"our rows and the peer rows were made on different problem sets "
                              f"({ours.get('problems')} and {peers.get('problems')})")
         self.index = ours["index"]
+        self.base = min(contexts, len(self.index))
         self.rows: dict[str, list[dict]] = {}
         for name, row in {**ours["rows"], **(peers or {}).get("rows", {})}.items():
             if row["contexts"]:
@@ -84,14 +90,16 @@ class Table:
         """The contexts every training of row `name` has answered."""
         if name not in self.rows:
             raise TableError(f"row {name!r} does not exist")
-        return sorted(set.intersection(*[{int(i) for i in row["contexts"]} for row in self.rows[name]]))
+        common = set.intersection(*[{int(i) for i in row["contexts"]} for row in self.rows[name]])
+        return sorted(i for i in common if i < len(self.index))
 
     def finished(self, name: str) -> bool:
-        return len(self.answered(name)) == len(self.index)
+        """Row `name` has answered the table's contexts."""
+        return set(range(self.base)) <= set(self.answered(name))
 
     def measure(self, name: str, measure: str, contexts: list[int] | None = None) -> list[list[list[float]]]:
-        """`[training][context][question]` scores of a pooled row on `contexts` (default: all)."""
-        contexts = range(len(self.index)) if contexts is None else contexts
+        """`[training][context][question]` scores of a pooled row on `contexts` (default: the table's)."""
+        contexts = range(self.base) if contexts is None else contexts
         if not set(contexts) <= set(self.answered(name)):
             raise TableError(f"row {name!r} has not answered every context asked for")
         return [[score(row["contexts"][str(i)], self.index[i])[measure] for i in contexts] for row in self.rows[name]]
@@ -107,11 +115,11 @@ class Table:
                                               self.measure(second, measure, contexts))
             parts.append(f"{measure} {diff:+.{1 if not unit else 3}f}{unit} "
                          f"({low:+.{1 if not unit else 3}f} to {high:+.{1 if not unit else 3}f})")
-        on = "" if len(contexts) == len(self.index) else f" (on the {len(contexts)} contexts both have answered)"
+        on = "" if contexts == list(range(self.base)) else f" (on the {len(contexts)} contexts both have answered)"
         return f"`{first}` - `{second}`{on}: " + "; ".join(parts)
 
     def render(self) -> tuple[str, dict]:
-        contexts, questions = len(self.index), sum(len(c["needles"]) for c in self.index)
+        contexts, questions = self.base, sum(len(c["needles"]) for c in self.index[:self.base])
         original = self.measure("original", "multi-request/exact")
         top = interval(original)[0]
         lines = [f"{contexts} contexts, {questions} questions in all. *cache*: the row's bytes at the context length "
@@ -143,6 +151,7 @@ class Table:
         if unfinished:
             lines += ["", "Still being measured (not in the table; a comparison with them reads the contexts both rows "
                       "have answered): " + ", ".join(unfinished) + "."]
+        lines += self.more_contexts()
         stated = [self.compare(*pair.split(",")) for pair in COMPARISONS if all(n in self.rows for n in pair.split(","))]
         if stated:
             lines += ["", "Paired differences (first row minus second; 90% intervals resampling the contexts of both "
@@ -151,17 +160,43 @@ class Table:
         return "\n".join(lines) + "\n", points
 
 
+    def more_contexts(self) -> list[str]:
+        """The rows that answered more than the table's contexts, on all of theirs, beside the original."""
+        lines = []
+        for name in sorted(self.rows):
+            contexts = self.answered(name)
+            if len(contexts) <= self.base or not self.finished(name):
+                continue
+            head, low, high = interval(self.measure(name, "multi-request/exact", contexts))
+            line = f"- `{name}` on {len(contexts)} contexts: **{head:.1f}** ({low:.1f}-{high:.1f})"
+            if name != "original" and set(contexts) <= set(self.answered("original")):
+                top = interval(self.measure("original", "multi-request/exact", contexts))[0]
+                line += f", {head / top:.0%} of the original's {top:.1f} on them"
+            lines.append(line)
+        if lines:
+            lines = ["", "The rows that have answered more contexts (the headline on all of them):", "", *lines]
+        return lines
+
+
+def same_set(ours: dict, peers: dict) -> bool:
+    """Two rows files made on one problem set, or on one set and a prefix of it (`extends`)."""
+    mine, theirs = {ours.get("problems"), *ours.get("extends", ())}, {peers.get("problems"), *peers.get("extends", ())}
+    return ours.get("problems") in theirs or peers.get("problems") in mine
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ours", default=str(RESULTS / "shared-ours.json"))
     parser.add_argument("--peers", default=str(RESULTS / "shared-kvpress.json"))
     parser.add_argument("--doc", default=str(ALL_RESULTS / "long-context.md"))
     parser.add_argument("--plot", default=str(RESULTS / "shared-context.png"))
+    parser.add_argument("--contexts", type=int, default=TABLE_CONTEXTS, help="the table's contexts: the first N")
     parser.add_argument("--compare", metavar="A,B", help="print the paired differences of two rows, write nothing")
     args = parser.parse_args()
     try:
         ours = load(Path(args.ours), "our rows", SCHEMA)
-        table = Table(ours, load(Path(args.peers), "peer rows", SCHEMA) if Path(args.peers).exists() else None)
+        peers = load(Path(args.peers), "peer rows", SCHEMA) if Path(args.peers).exists() else None
+        table = Table(ours, peers, args.contexts)
         if args.compare:
             names = args.compare.split(",")
             if len(names) != 2:

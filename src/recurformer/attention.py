@@ -38,7 +38,8 @@ def check_window_fits(config, mixer_config: MixerConfig) -> None:
 
 def packed_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
     """One decode step's attention, each K/V head read once: q `[B, Hq, 1, D]`, k and v
-    `[B, Hkv, T, D]`, mask None or `[B, 1, 1, T]` (bool or additive) -> `[B, 1, Hq, D]`.
+    `[B, Hkv, T, D]`, mask None, `[B, 1, 1, T]` (bool or additive) or `[B, Hkv, 1, T]` (one per
+    group) -> `[B, 1, Hq, D]`.
 
     [ours] The `Hq / Hkv` query heads of a KV group become that group's queries (`[B, Hkv,
     Hq / Hkv, D]`, a plain multi-query attention). transformers passes decode steps without
@@ -50,6 +51,19 @@ def packed_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     groups = k.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(batch, groups, heads // groups, dim), k, v, attn_mask=mask, scale=scaling)
     return out.reshape(batch, 1, heads, dim)
+
+
+def with_head_bias(attention_mask: Tensor | None, bias: Tensor, queries: int) -> Tensor:
+    """The kept heads' mask with each head's hidden slots (`HybridLayer.attention_bias`):
+    `attention_mask` None (causal, every earlier token seen), bool (True: seen) or additive
+    `[B, 1, Q, K]`, `bias` additive `[B, Hkv, 1, K]` -> additive `[B, Hkv, Q, K]`."""
+    keys = bias.shape[-1]
+    if attention_mask is None:
+        attention_mask = torch.ones(queries, keys, dtype=torch.bool, device=bias.device).tril(keys - queries)[None, None]
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=bias.dtype,
+                                     device=bias.device).masked_fill(~attention_mask, float("-inf"))
+    return attention_mask[..., :keys] + bias
 
 
 def left_padding_starts(attention_mask: Tensor, tokens: int) -> Tensor | None:
@@ -149,12 +163,18 @@ class HybridAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             if cache is not None:
                 k, v = cache.update(k, v, self.layer_idx)
-            if self._packs_decode(length, attention_mask, kwargs):
-                out = packed_decode_attention(q, k, v, attention_mask, self.scaling)
+            packs = self._packs_decode(length, attention_mask, kwargs)
+            bias = cache.layers[self.layer_idx].attention_bias(k.shape[-2], q.dtype) \
+                if isinstance(cache, HybridCache) else None
+            mask = attention_mask if bias is None else with_head_bias(attention_mask, bias, length)
+            if packs:
+                out = packed_decode_attention(q, k, v, mask, self.scaling)
             else:
+                if bias is not None:  # [B, Hkv, Q, K] -> one mask per query head
+                    mask = mask.repeat_interleave(self.num_key_value_groups, dim=1)
                 interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
                 out, weights = interface(
-                    self, q, k, v, attention_mask,
+                    self, q, k, v, mask,
                     dropout=self.attention_dropout if self.training else 0.0,
                     scaling=self.scaling,
                     sliding_window=self.sliding_window,
@@ -208,6 +228,7 @@ class HybridAttention(nn.Module):
             and self.config._attn_implementation in ("sdpa", "eager")
             and not kwargs.get("output_attentions")
             and not records_gradients(self, hidden_states)
+            and cache.layers[self.layer_idx].evicted is None
         ):
             return None
         dtype = hidden_states.dtype

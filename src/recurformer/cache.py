@@ -3,7 +3,8 @@
 Works with `model.generate()` of transformers 5.x: it is a `transformers.Cache` whose layers
 are `HybridLayer`s. A layer's K/V hold only the kept heads `[B, kept_kv_heads, T, head_dim]`
 (zero heads in a fully replaced layer); its mixer state has a fixed size whatever T is.
-No token is evicted.
+No token is evicted, unless a press asks for it (`HybridLayer.keep_tokens`: the comparisons with
+kvpress's presses on the kept heads).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaModel
@@ -48,6 +50,7 @@ class HybridLayer(DynamicLayer):
         self.length: Tensor | None = None  # static decoding (`make_static`): the filled slots, on the device
         self._slots: Tensor | None = None
         self._starts: Tensor | None = None
+        self.evicted: Tensor | None = None  # bool [B, kept_kv_heads, n]: slots hidden from a head (`keep_tokens`)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append `[B, kept_kv_heads, T, D]` keys/values; return all of them so far."""
@@ -83,6 +86,8 @@ class HybridLayer(DynamicLayer):
         slot (left padding; default 0). The prefill must have run (the buffers exist)."""
         if self._key_buffer is None:
             raise ValueError("make_static: prefill first (the layer holds no keys yet)")
+        if self.evicted is not None:
+            raise ValueError("make_static: the heads keep uneven counts of tokens (keep_tokens with counts)")
         if capacity < self.tokens:
             raise ValueError(f"make_static: capacity {capacity} < the {self.tokens} tokens held")
         if self._key_buffer.shape[-2] < capacity:
@@ -119,6 +124,8 @@ class HybridLayer(DynamicLayer):
                 raise ValueError(f"repeat_rows: needs one row and capacity >= {self.tokens} tokens")
             self._reallocate(batch, capacity)
         self._map_state(lambda t: t.expand(batch, *t.shape[1:]).clone())
+        if self.evicted is not None:
+            self.evicted = self.evicted.expand(batch, *self.evicted.shape[1:]).clone()
 
     def _reallocate(self, batch: int, capacity: int) -> None:
         """New K/V buffers `[batch, kept_kv_heads, capacity, D]` holding the tokens held (one row
@@ -160,7 +167,7 @@ class HybridLayer(DynamicLayer):
         self.mixer_state = None
         self.tokens = 0
         self._key_buffer = self._value_buffer = None
-        self.length = self._slots = self._starts = None
+        self.length = self._slots = self._starts = self.evicted = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0 and self.mixer_state is not None:
@@ -170,16 +177,32 @@ class HybridLayer(DynamicLayer):
             self.tokens = max(0, self.tokens - abs(tokens_to_remove))
             self._view()
 
-    def keep_tokens(self, index: Tensor) -> None:
+    def keep_tokens(self, index: Tensor, counts: Tensor | None = None) -> None:
         """Keep in each kept head only its tokens at `index` `[B, kept_kv_heads, n]`, and count
         `n` tokens: a token-eviction press acting on the kept heads after a prefill
-        (`benchmarks/long_context/kept_press.py`). The mixer state is not touched; the tokens
-        that follow must be given their positions (`position_ids`)."""
+        (`benchmarks/peers/kept_press.py`). With `counts` `[B, kept_kv_heads]`, head h of row
+        b keeps only its first `counts[b, h]` entries of `index`: its other slots stay
+        allocated but attention no longer sees them (`evicted`, `attention_bias`), as kvpress
+        hides the tokens of its uneven presses. The mixer state is not touched; the tokens that
+        follow must be given their positions (`position_ids`)."""
         gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self._key_buffer = self.keys.gather(2, gather).contiguous()
         self._value_buffer = self.values.gather(2, gather).contiguous()
         self.tokens = index.shape[-1]
         self._view()
+        slots = torch.arange(self.tokens, device=index.device)
+        self.evicted = None if counts is None else slots >= counts[..., None].to(index.device)
+        if self.evicted is not None and not bool(self.evicted.any()):
+            self.evicted = None
+
+    def attention_bias(self, tokens: int, dtype: torch.dtype) -> Tensor | None:
+        """Additive `[B, kept_kv_heads, 1, tokens]`: -inf on the slots hidden from a head
+        (`keep_tokens` with counts), 0 on all others (the tokens after them included); None when
+        no slot is hidden."""
+        if self.evicted is None:
+            return None
+        hidden = F.pad(self.evicted, (0, tokens - self.evicted.shape[-1]))
+        return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf"))[:, :, None]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes row `beam_idx[i]`, in the same buffers and state tensors."""
@@ -188,6 +211,8 @@ class HybridLayer(DynamicLayer):
             tensors += [self.keys, self.values]
         for t in tensors:
             t.copy_(t.index_select(0, beam_idx.to(t.device)))
+        if self.evicted is not None:
+            self.evicted = self.evicted.index_select(0, beam_idx.to(self.evicted.device))
 
     def _map_state(self, fn) -> None:
         if self.mixer_state is not None:
@@ -197,11 +222,15 @@ class HybridLayer(DynamicLayer):
         super().batch_repeat_interleave(repeats)
         self._adopt()
         self._map_state(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self.evicted is not None:
+            self.evicted = self.evicted.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         super().batch_select_indices(indices)
         self._adopt()
         self._map_state(lambda t: t[indices])
+        if self.evicted is not None:
+            self.evicted = self.evicted[indices]
 
     def nbytes(self) -> dict[str, int]:
         """`kv`: the keys and values held; `kv_reserved`: their buffers (up to one block more)."""
