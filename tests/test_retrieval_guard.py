@@ -38,3 +38,30 @@ def test_bad_arguments_fail_in_one_line(guard, argv, message, tmp_path, monkeypa
         guard.main()
     assert "\n" not in str(error.value)
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_joint_selection_merges_both_costs_and_compares_the_three_scorers(tmp_path):
+    from recurformer.scoring import HeadScores
+
+    def scores(statistic, costs, fingerprint="f"):
+        heads = {"rr_16": [[0.5] * 4] * 3, "sink": [[0.0] * 4] * 3}
+        made = HeadScores("toy", 3, 4, 2, 16, [16], 1, 8, heads)
+        made.fingerprint, made.groups[statistic], made.ablation = fingerprint, costs, {"seconds": 1.0}
+        return made
+
+    text = [[0.01, 0.02], [0.03, 0.04], [0.05, 0.06]]
+    retrieval = [[0.9, 0.3], [0.7, 0.2], [0.4, -0.1]]
+    with benchmark_script("retrieval.joint_selection") as module:
+        both = module.merged(scores("ablation", text), scores("ablation_retrieval", retrieval))
+        result = module.compare(both, 0.5)
+        with pytest.raises(SystemExit, match="different models"):
+            module.merged(scores("ablation", text), scores("ablation_retrieval", retrieval, fingerprint="g"))
+        with pytest.raises(SystemExit, match="no ablation_retrieval costs"):
+            module.merged(scores("ablation", text), scores("ablation", text))
+    assert both.ablation["probe"] == "text+retrieval" and both.ablation["seconds"] == 2.0
+    # ablation: (0,0) (0,1) (1,0); retrieval: (0,1) (1,1) (2,1); joint: (0,0) (0,1) (1,1)
+    assert result["ablation-joint"]["shared"] == {"ablation": 2, "ablation-retrieval": 2}
+    assert result["ablation"]["text_cost"] == pytest.approx(0.06)
+    assert result["ablation-retrieval"]["retrieval_cost"] == pytest.approx(0.4)
+    both.save(tmp_path / "scores.json")
+    assert HeadScores.load(tmp_path / "scores.json").groups["ablation_retrieval"] == retrieval

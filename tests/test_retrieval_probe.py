@@ -73,7 +73,7 @@ def test_the_retrieval_scorer_ranks_by_the_costs_on_the_probe(tmp_path):
     settings = AblationConfig(ablation_sequences=2, ablation_seq_len=400, ablation_from=40, ablation_window=16,
                               ablation_sinks=2)
     scores = analyze_text(model, tokenizer, [TEXT], AnalysisConfig(sequences=1, seq_len=64), ablation=settings,
-                          retrieval=True)
+                          probes=("retrieval",))
     costs = scores.groups["ablation_retrieval"]
     assert "ablation" not in scores.groups and scores.ablation["probe"] == "retrieval"
     assert max(abs(c) for row in costs for c in row) > 1e-4

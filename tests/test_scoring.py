@@ -89,6 +89,19 @@ def test_selection_is_global_top_beta_over_groups():
     assert len(random_a) == 3
 
 
+def test_the_joint_scorer_adds_the_ranks_of_both_costs():
+    scores = make_scores([[0.5] * 4] * 3)
+    # text cost ranks: (0,0) 0, (0,1) 1, (1,0) 2, (1,1) 3, (2,0) 4, (2,1) 5
+    scores.groups["ablation"] = [[0.01, 0.02], [0.03, 0.04], [0.05, 0.06]]
+    with pytest.raises(ConfigError, match="no text and retrieval ablation costs"):
+        select_heads(scores, 0.5, make_scorer("ablation-joint"))
+    # retrieval ranks: (2,1) 0, (1,1) 1, (0,1) 2, (2,0) 3, (1,0) 4, (0,0) 5 -> sums 5, 3, 6, 4, 7, 5
+    scores.groups["ablation_retrieval"] = [[0.9, 0.3], [0.7, 0.2], [0.4, -0.1]]
+    assert select_heads(scores, 0.5, make_scorer("ablation-joint")).groups == [(0, 0), (0, 1), (1, 1)]
+    assert select_heads(scores, 0.5, make_scorer("ablation")).groups == [(0, 0), (0, 1), (1, 0)]
+    assert select_heads(scores, 0.5, make_scorer("ablation-retrieval")).groups == [(0, 1), (1, 1), (2, 1)]
+
+
 def test_the_default_selection_is_the_commands_ablation_scorer():
     """select_heads without a scorer ranks as `analyze`, `convert` and `run` do: by ablation
     cost, which scores of recency statistics alone do not have."""
@@ -179,7 +192,10 @@ def test_each_scorer_ranks_the_scores_analyzed_for_what_it_needs(name, tmp_path,
                              SelectionConfig(scorer=scorer), CALIBRATION, "tiny", [], tmp_path / f"{scorer}.json",
                              tmp_path / "partial.json")
 
-    assert len(select_heads(scores_for(name), 0.5, make_scorer(name)).groups) == 2
+    scores = scores_for(name)
+    assert len(select_heads(scores, 0.5, make_scorer(name)).groups) == 2
+    assert not list(tmp_path.glob("partial*"))  # every probe's checkpoint removed once the scores are written
     if SCORERS[name].needs.ablation:
+        assert scores.ablation["probe"] == "+".join(SCORERS[name].needs.probes)
         with pytest.raises(ConfigError, match="these scores have no"):
             select_heads(scores_for("recency"), 0.5, make_scorer(name))

@@ -57,6 +57,7 @@ from ..outputs import Claim
 from ..report import plot_bench, plot_head_heatmap, plot_loss_curves, render_run_report
 from ..retrieval_mix import mix_retrieval
 from ..scoring import AnalysisConfig, HeadScores, SelectionConfig, analyze_text
+from ..scoring.head_statistics import ablation_checkpoints
 from ..surgery import convert, parameter_report
 from ..train import CHECKPOINT, TrainConfig, has_checkpoint, objective_for, seconds_per_step, train_stage
 from .config import RunConfig, Sizes
@@ -77,9 +78,10 @@ def analyze_heads(model, tokenizer, documents: list[str], analysis: AnalysisConf
     is removed once the scores are written."""
     scores = analyze_text(model, tokenizer, documents, analysis, seed=selection.seed, model_name=model_name,
                           data=data, ablation=selection.needs.measurement(ablation), checkpoint=checkpoint,
-                          retrieval=selection.needs.probe == "retrieval")
+                          probes=selection.needs.probes)
     scores.save(out)
-    Path(checkpoint).unlink(missing_ok=True)
+    for partial in ablation_checkpoints(checkpoint, selection.needs.probes):
+        partial.unlink(missing_ok=True)
     if plot:
         plot_head_heatmap(scores, plot, selection.select(scores))
     return scores

@@ -158,12 +158,13 @@ class AnalysisConfig:
 
 def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig, seed: int = 0, model_name: str = "",
                  data: list[str] | None = None, ablation: AblationConfig | None = None,
-                 checkpoint: str | Path | None = None, retrieval: bool = False) -> HeadScores:
+                 checkpoint: str | Path | None = None, probes: tuple[str, ...] = ("text",)) -> HeadScores:
     """Score every head of `model` on `config.sequences` x `config.seq_len` tokens of
     `documents`, drawn with `seed`; the scores record the model's fingerprint. With
-    `ablation`, also each group's `ablation` cost (resumable through `checkpoint`), or with
-    `retrieval` its `ablation_retrieval` cost: the same windowing measured on the answers of
-    the retrieval probe built in the calibration text (`retrieval_probe.py`)."""
+    `ablation`, also each group's cost on each of `probes`: `text`, its `ablation` cost;
+    `retrieval`, its `ablation_retrieval` cost, the same windowing measured on the answers
+    of the retrieval probe built in the calibration text (`retrieval_probe.py`). Each probe
+    resumes through its own checkpoint (`ablation_checkpoints`)."""
     check_length(config.seq_len, model.config)
     tokens = token_sequences(tokenizer, documents, config.seq_len, config.sequences, seed)
     calibration = None if ablation is None else calibration_sequences(tokenizer, documents, ablation, model.config, seed)
@@ -171,21 +172,37 @@ def analyze_text(model, tokenizer, documents: list[str], config: AnalysisConfig,
                      model_name=model_name, data=data)
     scores.fingerprint = model_fingerprint(model)
     if ablation is not None:
-        counted = None
-        if retrieval:
-            vocabulary = " ".join(tokenizer.batch_decode(calibration))
-            calibration, counted = probe_sequences(tokenizer, calibration, vocabulary, seed)
-        result = measure_ablation(model, calibration, ablation, checkpoint=checkpoint, counted=counted)
-        record_ablation(scores, result, ablation, "retrieval" if retrieval else "text")
+        for probe, resume in zip(probes, ablation_checkpoints(checkpoint, probes)):
+            tokens, counted = calibration, None
+            if probe == "retrieval":
+                vocabulary = " ".join(tokenizer.batch_decode(calibration))
+                tokens, counted = probe_sequences(tokenizer, calibration, vocabulary, seed)
+            result = measure_ablation(model, tokens, ablation, checkpoint=resume, counted=counted)
+            record_ablation(scores, result, ablation, probe)
     return scores
+
+
+def ablation_checkpoints(checkpoint: str | Path | None, probes: tuple[str, ...]) -> list[Path | None]:
+    """Where each probe's ablation resumes from: `checkpoint` for the first, beside it
+    (`NAME.retrieval.json`) for the others."""
+    if checkpoint is None:
+        return [None] * len(probes)
+    path = Path(checkpoint)
+    return [path if i == 0 else path.with_suffix(f".{probe}{path.suffix}") for i, probe in enumerate(probes)]
 
 
 def record_ablation(scores: HeadScores, result: Ablation, config: AblationConfig, probe: str = "text") -> None:
     """Put `result` into `scores`: the group statistics `ablation` (round 0's single costs;
     `ablation_retrieval` when measured on the retrieval `probe`) and, after more than one
     round, `ablation_order` and `ablation_marginal`; the settings, the probe, the base NLL of
-    each round and the seconds under `scores.ablation`."""
+    each round and the seconds under `scores.ablation` (after a second probe: both probes'
+    names, its base NLL as `PROBE_base_nll` and the seconds of both)."""
     scores.groups["ablation" if probe == "text" else "ablation_retrieval"] = result.costs
+    earlier = scores.ablation.get("probe")
+    if earlier is not None and probe not in earlier.split("+"):
+        scores.ablation = {**scores.ablation, "probe": f"{earlier}+{probe}", f"{probe}_base_nll": result.base[0],
+                           "seconds": scores.ablation["seconds"] + sum(result.seconds)}
+        return
     if config.ablation_rounds > 1:
         scores.groups["ablation_order"] = [[float(o) for o in row] for row in result.order]
         scores.groups["ablation_marginal"] = result.marginal

@@ -3,7 +3,7 @@
 A scorer's `needs` tells `analyze_text` what to measure besides the head statistics that
 every analysis measures: nothing more (`recency`, `inverse`; `random` does not even read
 them), or the groups' ablation costs (`ablation.py`), in one round or in every greedy round,
-on the calibration text or on the retrieval probe's answers (`retrieval_probe.py`).
+on the calibration text, on the retrieval probe's answers (`retrieval_probe.py`), or on both.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ Ranking = dict[tuple[int, int], float]  # (layer, kv_head) -> score; the highest
 class Needs:
     """What a scorer needs measured besides the head statistics: `ablation`, each group's
     windowing cost; `greedy`, in all of `AblationConfig.ablation_rounds` rounds, not one;
-    `probe`, whose NLL makes the cost: `text` (the calibration text) or `retrieval`."""
+    `probes`, whose NLL makes each cost: `text` (the calibration text), `retrieval`, or both."""
 
     ablation: bool = False
     greedy: bool = False
-    probe: str = "text"
+    probes: tuple[str, ...] = ("text",)
 
     def measurement(self, config: AblationConfig) -> AblationConfig | None:
         """The ablation `analyze_text` measures: None, one round, or `config`'s rounds."""
@@ -104,9 +104,27 @@ class RetrievalAblationScorer(MeasuredScorer):
     probe the least first (`retrieval_probe.py`; after Retrieval-Aware Distillation's ranking)."""
 
     name, statistic = "ablation-retrieval", "ablation_retrieval"
-    needs = Needs(ablation=True, probe="retrieval")
+    needs = Needs(ablation=True, probes=("retrieval",))
     missing = ("these scores have no retrieval ablation costs; make them with "
                "`recurformer analyze ... --scorer ablation-retrieval`")
+
+
+class JointAblationScorer(Scorer):
+    """[ours] The groups cheap on both probes first: ranked by the sum of a group's ranks by
+    its text and by its retrieval ablation cost (ties: the text cost decides). Ranks, not
+    costs, are added: the two costs are NLLs of different tokens, on different scales."""
+
+    name = "ablation-joint"
+    needs = Needs(ablation=True, probes=("text", "retrieval"))
+
+    def score(self, scores: HeadScores) -> Ranking:
+        if not {"ablation", "ablation_retrieval"} <= set(scores.groups):
+            raise ConfigError("these scores have no text and retrieval ablation costs; make them with "
+                              "`recurformer analyze ... --scorer ablation-joint`")
+        text, retrieval = scores.group_values("ablation"), scores.group_values("ablation_retrieval")
+        rank = {name: {g: i for i, g in enumerate(sorted(costs, key=costs.get))}
+                for name, costs in (("text", text), ("retrieval", retrieval))}
+        return {g: -(rank["text"][g] + rank["retrieval"][g] + text[g] / (1 + abs(text[g])) / 2) for g in text}
 
 
 class GreedyAblationScorer(MeasuredScorer):
@@ -120,7 +138,8 @@ class GreedyAblationScorer(MeasuredScorer):
 
 
 SCORERS: dict[str, type[Scorer]] = {s.name: s for s in (RecencyScorer, InverseScorer, RandomScorer, AblationScorer,
-                                                         GreedyAblationScorer, RetrievalAblationScorer)}
+                                                         GreedyAblationScorer, RetrievalAblationScorer,
+                                                         JointAblationScorer)}
 
 
 def make_scorer(name: str, seed: int = 0) -> Scorer:
