@@ -65,3 +65,16 @@ def test_the_joint_selection_merges_both_costs_and_compares_the_three_scorers(tm
     assert result["ablation-retrieval"]["retrieval_cost"] == pytest.approx(0.4)
     both.save(tmp_path / "scores.json")
     assert HeadScores.load(tmp_path / "scores.json").groups["ablation_retrieval"] == retrieval
+
+
+def test_a_window_perplexity_that_is_not_finite_is_refused(guard, monkeypatch):
+    from types import SimpleNamespace
+
+    from recurformer.errors import RecurformerError
+    monkeypatch.setattr(guard, "load_any", lambda name: (object(), object()))
+    monkeypatch.setattr(guard, "window_baseline", lambda teacher, model: (SimpleNamespace(eval=lambda: None), 169))
+    task = SimpleNamespace(measure=lambda model, tokenizer, options: {"ppl": float("nan")})
+    monkeypatch.setattr(guard, "lookup_task", lambda name: (task, None))
+    monkeypatch.setattr(guard, "make_options", lambda task, values: values)
+    with pytest.raises(RecurformerError, match="the window's .* perplexity"):
+        guard.window_perplexities("original", "converted")

@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.common import RESULTS, TEXTS
 from recurformer.commands import eval_command
+from recurformer.checks import require_finite
 from recurformer.equal_cache import window_baseline
 from recurformer.evaluate import lookup_task, make_options
 from recurformer.files import write_json_atomic, write_text_atomic
@@ -55,8 +56,11 @@ def window_perplexities(original: str, converted: str) -> tuple[dict[str, float]
     teacher, tokenizer = load_any(original)
     model, window = window_baseline(teacher, load_any(converted)[0])
     task, _ = lookup_task("ppl")
-    return {text: task.measure(model.eval(), tokenizer, make_options(task, {"data": [str(path)], **SIZES}))["ppl"]
-            for text, path in TEXTS.items()}, window
+    scores = {text: task.measure(model.eval(), tokenizer, make_options(task, {"data": [str(path)], **SIZES}))["ppl"]
+              for text, path in TEXTS.items()}
+    for text, ppl in scores.items():  # as eval_command checks the models' perplexities
+        require_finite(ppl, f"the window's {text} perplexity")
+    return scores, window
 
 
 def main() -> None:
