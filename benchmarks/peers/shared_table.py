@@ -50,6 +50,10 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.25-ablation-retrieval,conversion@0.25",
                "window@0.25-ablation-retrieval,window@0.25",
                "compose-kvzip@0.25,kvzip@0.25", "compose-kvzip@0.25,conversion@0.25-ablation-retrieval",
+               "compose-global-kvzip@0.25,kvzip@0.25", "compose-global-kvzip@0.25,conversion@0.25",
+               "compose-global-kvzip@0.25,compose-kvzip@0.25",
+               "conversion@0.5-long-retrieval25,conversion@0.5", "conversion@0.5-long-retrieval25,conversion@0.5-retrieval25",
+               "conversion@0.5-long-retrieval25,kvzip@0.5",
                "kvzip@0.25,original")
 
 
