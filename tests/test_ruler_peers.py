@@ -308,3 +308,13 @@ def test_kvzip_allocation_refuses_bad_input_before_loading_a_model(argv, message
         with pytest.raises(SystemExit, match=message):
             module.main()
     assert not (tmp_path / "out.json").exists()
+
+
+def test_every_row_kind_has_a_name_in_the_plot(table):
+    with benchmark_script("peers.kept_press") as press:
+        presses = press.PRESSES
+    assert table.kind_name("compose-global-kvzip") == "our conversion + kvpress KVzip on the kept heads, ranked together"
+    assert table.kind_name("compose-tova", "0.25-ablation-retrieval") == \
+        "our conversion + kvpress TOVA on the kept heads, ablation-retrieval"
+    for name in presses:
+        assert "on the kept heads" in table.kind_name(f"compose-{name}") + table.kind_name(f"compose-global-{name}")

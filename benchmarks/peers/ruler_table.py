@@ -61,7 +61,9 @@ def split_budget(name: str) -> tuple[float, str]:
 
 def kind_name(kind: str, budget: str | None = None) -> str:
     """The method's name in the plot's legend (a tagged budget's rows are a method of their own)."""
-    if kind.startswith("compose-"):
+    if kind.startswith("compose-global-"):
+        name = f"our conversion + {KIND_NAMES[kind.removeprefix('compose-global-')]} on the kept heads, ranked together"
+    elif kind.startswith("compose-"):
         name = f"our conversion + {KIND_NAMES[kind.removeprefix('compose-')]} on the kept heads"
     else:
         name = KIND_NAMES.get(kind, kind)
