@@ -22,7 +22,7 @@ from recurformer.errors import RecurformerError
 from recurformer.files import write_json_atomic
 from recurformer.scoring import HeadScores, make_scorer, select_heads
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, ROOT
 
 SCORERS = ("ablation", "ablation-retrieval", "ablation-joint")
 
@@ -52,6 +52,12 @@ def compare(scores: HeadScores, beta: float) -> dict:
             for name, groups in chosen.items()}
 
 
+def portable(path: str) -> str:
+    """`path` relative to the repository when it lies inside it (no machine's own paths in results)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", default="runs/demo/scores.json", help="scores with `ablation` costs (run's)")
@@ -64,7 +70,7 @@ def main() -> None:
         scores = merged(HeadScores.load(args.text), HeadScores.load(args.retrieval))
     except (RecurformerError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
-    result = {"text": args.text, "retrieval": args.retrieval, "fingerprint": scores.fingerprint,
+    result = {"text": portable(args.text), "retrieval": portable(args.retrieval), "fingerprint": scores.fingerprint,
               "betas": {beta: compare(scores, float(beta)) for beta in args.betas.split(",")}}
     write_json_atomic(Path(args.out), result)
     if args.merged:
