@@ -229,15 +229,17 @@ class KeptPress:
         """Keep `int(length * keep)` tokens of every kept head in `cache` (a `HybridCache` just
         prefilled with `length` tokens), or as many on average (`allocation` "global")."""
         kept = int(length * self.keep)
-        scores = self.kvzip_scores(cache, length) if self.replay is not None else {}
-        for module in (m for m in self.modules if m.has_attention and self.replay is None):
-            hidden, position_embeddings = self.inputs[module.layer_idx]
-            layer = cache.layers[module.layer_idx]
-            scores[module.layer_idx] = score(self.press, module, hidden, layer.keys, layer.values, position_embeddings,
-                                             self.rotary)
         if self.replay is not None:
+            scores = self.kvzip_scores(cache, length)
             for values in scores.values():
                 values[..., :SINKS] = float("inf")
+        else:
+            scores = {}
+            for module in (m for m in self.modules if m.has_attention):
+                hidden, position_embeddings = self.inputs[module.layer_idx]
+                layer = cache.layers[module.layer_idx]
+                scores[module.layer_idx] = score(self.press, module, hidden, layer.keys, layer.values,
+                                                 position_embeddings, self.rotary)
         if self.allocation == "global":
             chosen = global_selection(scores, kept)
         else:

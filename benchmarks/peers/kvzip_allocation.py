@@ -28,6 +28,7 @@ from recurformer.loading import load_model
 from benchmarks.common import ROOT
 from benchmarks.peers.kept_press import KeptPress
 from benchmarks.peers.shared_ours import RESULTS, answer_context
+from benchmarks.peers.shared_problems import digests
 from benchmarks.peers.shared_table import is_exact
 
 ALLOCATIONS = {"even": "head", "global": "global"}  # this script's names -> KeptPress's
@@ -53,7 +54,7 @@ def main() -> None:
     problems, peers = json.loads(Path(args.problems).read_text()), json.loads(Path(args.peers).read_text())
     if args.row not in peers["rows"]:
         raise SystemExit(f"error: --row {args.row}: not in {args.peers} ({', '.join(peers['rows'])})")
-    accepted = (problems["digest"], *problems.get("extends", ()))  # a prefix's rows stay valid (shared_problems.py)
+    accepted = digests(problems)
     if peers.get("problems") not in accepted:
         raise SystemExit(f"error: {args.peers} answers another problem set than {args.problems}")
     torch.set_num_threads(1)

@@ -36,7 +36,7 @@ from recurformer.loading import load_model
 from benchmarks.common import RESULTS as ALL_RESULTS
 from benchmarks.peers.ruler_ours import Rows, beta_of, load_results, parse_row
 from benchmarks.peers.ruler_table import TableError, split_budget
-from benchmarks.peers.shared_problems import PROBLEMS
+from benchmarks.peers.shared_problems import PROBLEMS, digests
 
 RESULTS = ALL_RESULTS / "long-context"
 SCHEMA = "recurformer-shared-context-rows/1"
@@ -55,7 +55,7 @@ def problem_index(problems: dict) -> list[dict]:
 
 def save(path: Path, problems: dict, name: str, row: dict, budgets: dict) -> None:
     """Write `row` into the results at `path`, read again just before (other runs' rows are kept)."""
-    results = load_results(path, problems["digest"], SCHEMA, tuple(problems.get("extends", ())))
+    results = load_results(path, problems["digest"], SCHEMA, digests(problems))
     results["rows"][name] = row
     results["budgets"] = {**results.get("budgets", {}), **budgets}
     results["index"] = problem_index(problems)
@@ -118,8 +118,8 @@ def main() -> None:
     eos = set(problems["eos"])
     for name, kind, budget in rows:
         model, label, size, compress = builder.build(kind, budget, length)
-        row = load_results(out, problems["digest"], SCHEMA, tuple(problems.get("extends", ())))["rows"].get(name, {"budget": budget, "kind": kind,
-                                                                         "contexts": {}, "seconds": 0.0})
+        rows_made = load_results(out, problems["digest"], SCHEMA, digests(problems))["rows"]
+        row = rows_made.get(name, {"budget": budget, "kind": kind, "contexts": {}, "seconds": 0.0})
         row.update(label=label, cache=size, full=builder.full_per_token * length)
         todo = [i for i in range(len(contexts)) if str(i) not in row["contexts"]]
         print(f"{name}: {len(todo)} of {len(contexts)} contexts to answer", flush=True)

@@ -68,6 +68,11 @@ def main() -> None:
           f"digest {problems['digest']}{grown}")
 
 
+def digests(problems: dict) -> tuple[str, ...]:
+    """The problem sets whose rows are valid for `problems`: itself and the sets it grew from."""
+    return (problems["digest"], *problems.get("extends", ()))
+
+
 def grown_from(path: Path, problems: dict) -> list[str]:
     """The digests of the sets at `path` that `problems` extends: the set there and the sets it
     extends, when its contexts are `problems`' first ones and all else is equal; else none."""

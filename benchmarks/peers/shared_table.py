@@ -52,7 +52,8 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "compose-kvzip@0.25,kvzip@0.25", "compose-kvzip@0.25,conversion@0.25-ablation-retrieval",
                "compose-global-kvzip@0.25,kvzip@0.25", "compose-global-kvzip@0.25,conversion@0.25",
                "compose-global-kvzip@0.25,compose-kvzip@0.25",
-               "conversion@0.5-long-retrieval25,conversion@0.5", "conversion@0.5-long-retrieval25,conversion@0.5-retrieval25",
+               "conversion@0.5-long-retrieval25,conversion@0.5",
+               "conversion@0.5-long-retrieval25,conversion@0.5-retrieval25",
                "conversion@0.5-long-retrieval25,kvzip@0.5",
                "kvzip@0.25,original")
 
@@ -162,7 +163,6 @@ class Table:
                       "rows together and each row's trainings), `shared_table.py --compare A,B`:", ""]
             lines += [f"- {line}" for line in stated]
         return "\n".join(lines) + "\n", points
-
 
     def more_contexts(self) -> list[str]:
         """The rows that answered more than the table's contexts, on all of theirs, beside the original."""
