@@ -78,3 +78,13 @@ def test_a_window_perplexity_that_is_not_finite_is_refused(guard, monkeypatch):
     monkeypatch.setattr(guard, "make_options", lambda task, values: values)
     with pytest.raises(RecurformerError, match="the window's .* perplexity"):
         guard.window_perplexities("original", "converted")
+
+
+@pytest.mark.parametrize("betas", ["1.5", "x", "0", ""])
+def test_the_joint_selection_refuses_bad_betas_in_one_line(betas, tmp_path, monkeypatch):
+    with benchmark_script("retrieval.joint_selection") as module:
+        monkeypatch.setattr(sys, "argv", ["joint_selection.py", "--betas", betas, "--out", str(tmp_path / "out.json")])
+        monkeypatch.setattr(module.HeadScores, "load", lambda path: pytest.fail("read scores"))
+        with pytest.raises(SystemExit, match="--betas takes fractions in"):
+            module.main()
+    assert not (tmp_path / "out.json").exists()

@@ -159,9 +159,17 @@ def test_a_grown_set_names_the_sets_it_extends(tmp_path):
         assert module.grown_from(path, {**grown, "contexts": [{"ids": [9]}, {"ids": [2]}, {"ids": [3]}]}) == []
         assert module.grown_from(path, {**grown, "seed": 1}) == []
         assert module.grown_from(tmp_path / "none.json", grown) == []
+        path.write_text('{"schema": ')
+        assert module.grown_from(path, grown) == []
     with benchmark_script("peers.ruler_ours") as module:
         rows = tmp_path / "rows.json"
         rows.write_text(json.dumps({"schema": "s", "problems": "old", "rows": {"original": {}}}))
         assert module.load_results(rows, "new", "s", ("old",))["problems"] == "new"
         with pytest.raises(SystemExit, match="was made on problem set old, not new"):
             module.load_results(rows, "new", "s")
+
+
+def test_the_table_refuses_no_contexts(table, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["shared_table.py", "--contexts", "0", "--ours", str(tmp_path / "none.json")])
+    assert table.main() == 1
+    assert capsys.readouterr().err == "error: --contexts must be >= 1, got 0\n"

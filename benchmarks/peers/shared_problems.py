@@ -75,12 +75,15 @@ def digests(problems: dict) -> tuple[str, ...]:
 
 def grown_from(path: Path, problems: dict) -> list[str]:
     """The digests of the sets at `path` that `problems` extends: the set there and the sets it
-    extends, when its contexts are `problems`' first ones and all else is equal; else none."""
-    if not path.is_file():
+    extends, when its contexts are `problems`' first ones and all else is equal; else none (no
+    file, another set, or not a set at all: the new set replaces it)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):  # none there, or not a set: it is replaced
         return []
-    old = json.loads(path.read_text())
-    same = all(old.get(key) == value for key, value in problems.items() if key not in ("contexts", "digest"))
-    if not same or old["contexts"] != problems["contexts"][:len(old["contexts"])]:
+    same = isinstance(old, dict) and "digest" in old and all(
+        old.get(key) == value for key, value in problems.items() if key not in ("contexts", "digest"))
+    if not same or not old.get("contexts") or old["contexts"] != problems["contexts"][:len(old["contexts"])]:
         return []
     return list(dict.fromkeys(d for d in (old["digest"], *old.get("extends", ())) if d != problems["digest"]))
 

@@ -197,6 +197,9 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, default=TABLE_CONTEXTS, help="the table's contexts: the first N")
     parser.add_argument("--compare", metavar="A,B", help="print the paired differences of two rows, write nothing")
     args = parser.parse_args()
+    if args.contexts < 1:
+        print(f"error: --contexts must be >= 1, got {args.contexts}", file=sys.stderr)
+        return 1
     try:
         ours = load(Path(args.ours), "our rows", SCHEMA)
         peers = load(Path(args.peers), "peer rows", SCHEMA) if Path(args.peers).exists() else None

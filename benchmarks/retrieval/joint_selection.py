@@ -66,12 +66,18 @@ def main() -> None:
     parser.add_argument("--merged", help="also write the scores with both costs here")
     parser.add_argument("--out", default=str(RESULTS / "joint-selection.json"))
     args = parser.parse_args()
+    betas = args.betas.split(",")
+    try:
+        if not all(0 < float(beta) <= 1 for beta in betas):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"error: --betas takes fractions in (0, 1] separated by commas, not {args.betas!r}") from None
     try:
         scores = merged(HeadScores.load(args.text), HeadScores.load(args.retrieval))
     except (RecurformerError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
     result = {"text": portable(args.text), "retrieval": portable(args.retrieval), "fingerprint": scores.fingerprint,
-              "betas": {beta: compare(scores, float(beta)) for beta in args.betas.split(",")}}
+              "betas": {beta: compare(scores, float(beta)) for beta in betas}}
     write_json_atomic(Path(args.out), result)
     if args.merged:
         Path(args.merged).parent.mkdir(parents=True, exist_ok=True)
