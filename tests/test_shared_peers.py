@@ -43,6 +43,12 @@ def row(budget, kind, per_context: list[set[int]], cache: int = 400, full: int =
             "contexts": {str(i): answers(r) for i, r in enumerate(per_context)}}
 
 
+def main_table(text: str) -> dict[str, str]:
+    """The main table's lines by row name (the table by depth follows it)."""
+    main = text.split("The headline by where the fact stands")[0]
+    return {line.split("`")[1]: line for line in main.splitlines() if line.startswith("| `")}
+
+
 def test_the_table_scores_every_row_alike_and_pools_trainings(table):
     everything = [{0, 1, 2}] * 4
     ours = rows_file(table, {
@@ -54,7 +60,7 @@ def test_the_table_scores_every_row_alike_and_pools_trainings(table):
     })
     peers = {"schema": table.SCHEMA, "problems": "abc", "rows": {"kvzip@0.5": row("0.5", "kvzip", everything, 208)}}
     text, points = table.Table(ours, peers).render()
-    lines = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
+    lines = main_table(text)
     assert set(lines) == {"original", "conversion@0.5", "window@0.5", "kvzip@0.5"}
     assert "| 1.000 | **100.0** (100.0-100.0) | 100% |" in lines["original"]
     # conversion: trainings (2+2+1+3)/12 = 8/12 and 4/12 -> 50.0 over both
@@ -137,7 +143,7 @@ def test_rows_made_before_the_set_grew_are_read_on_their_contexts(table):
     peers = {"schema": table.SCHEMA, "problems": "first4", "rows": {"kvzip@0.5": row("0.5", "kvzip", [{0}] * 6, 208)}}
     text, _ = table.Table(ours, peers, contexts=4).render()
     assert text.startswith("4 contexts, 12 questions in all.")
-    lines = {line.split("`")[1]: line for line in text.splitlines() if line.startswith("| `")}
+    lines = main_table(text)
     assert set(lines) == {"original", "window@0.5", "conversion@0.5", "kvzip@0.5"}
     assert "| **66.7** (66.7-66.7) | 67% |" in lines["conversion@0.5"]
     assert "- `conversion@0.5` on 6 contexts: **55.6** (" in text and ", 56% of the original's 100.0 on them" in text
@@ -173,3 +179,16 @@ def test_the_table_refuses_no_contexts(table, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["shared_table.py", "--contexts", "0", "--ours", str(tmp_path / "none.json")])
     assert table.main() == 1
     assert capsys.readouterr().err == "error: --contexts must be >= 1, got 0\n"
+
+
+def test_the_headline_is_split_by_where_the_facts_stand(table):
+    # NEEDLES stand in quarters 1, 3 and 4; quarter 2 holds none
+    ours = rows_file(table, {"original": row(None, "original", [{0, 1, 2}] * 4),
+                             "window@0.5": row("0.5", "window", [{2}, {2}, {1, 2}, {2}], cache=208)})
+    text, _ = table.Table(ours, None).render()
+    assert "| `original` | 100.0 | - | 100.0 | 100.0 |" in text
+    assert "| `window@0.5` | 0.0 | - | 25.0 | 100.0 |" in text
+    line = table.Table(ours, None).compare("window@0.5", "original", depth=True)
+    assert "quarter 1 exact -100.0 (-100.0 to -100.0)" in line and "quarter 2" not in line
+    assert "quarter 4 exact +0.0 (+0.0 to +0.0)" in line
+    assert [table.depth_quarter({"depth": d}) for d in (0.0, 0.249, 0.25, 0.99, 1.0)] == [0, 0, 1, 3, 3]

@@ -36,6 +36,7 @@ SCHEMA = "recurformer-shared-context-rows/1"
 BEGIN, END = "<!-- shared-context:begin -->", "<!-- shared-context:end -->"
 MODES = ("multi-request", "multi-turn")
 TABLE_CONTEXTS = 40
+DEPTH_QUARTERS = 4
 # The comparisons the docs state, each printed with its paired interval when both rows exist.
 COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversion@0.5,duo@0.5",
                "conversion@0.5,kvzip@0.5", "conversion@0.5,streaming@0.5", "conversion@0.5,tova@0.5",
@@ -44,7 +45,8 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-q-retrieval25,conversion@0.5-retrieval25", "conversion@0.5-retrieval25,kvzip@0.5",
                "window@0.5,original", "kvzip@0.5,original",
                "conversion@0.25,window@0.25", "conversion@0.25,kvzip@0.25", "conversion@0.25,streaming@0.25",
-               "conversion@0.25,tova@0.25",
+               "conversion@0.25,tova@0.25", "conversion@0.25,expected-attention@0.25",
+               "conversion@0.25,snapkv@0.25", "conversion@0.25,knorm@0.25",
                "conversion@0.25-ablation-retrieval,window@0.25-ablation-retrieval",
                "conversion@0.25-ablation-retrieval,kvzip@0.25",
                "conversion@0.25-ablation-retrieval,conversion@0.25",
@@ -55,6 +57,10 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-long-retrieval25,conversion@0.5",
                "conversion@0.5-long-retrieval25,conversion@0.5-retrieval25",
                "conversion@0.5-long-retrieval25,kvzip@0.5",
+               "conversion@0.25-ablation-joint,conversion@0.25",
+               "conversion@0.25-ablation-joint,conversion@0.25-ablation-retrieval",
+               "conversion@0.25-ablation-joint,window@0.25-ablation-joint",
+               "conversion@0.25-ablation-joint,kvzip@0.25",
                "kvzip@0.25,original")
 
 
@@ -70,7 +76,14 @@ def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
                                   for r, s in zip(records, context["starts"])]
     out["by_kind"] = {k: [e for e, n in zip(out["multi-request/exact"], context["needles"]) if n["kind"] == k]
                       for k in KINDS}
+    out["by_depth"] = {q: [e for e, n in zip(out["multi-request/exact"], context["needles"]) if depth_quarter(n) == q]
+                       for q in range(DEPTH_QUARTERS)}
     return out
+
+
+def depth_quarter(needle: dict) -> int:
+    """0-3: the quarter of the context a fact stands in (0: the first, farthest from the questions)."""
+    return min(DEPTH_QUARTERS - 1, int(needle["depth"] * DEPTH_QUARTERS))
 
 
 class Table:
@@ -109,8 +122,9 @@ class Table:
             raise TableError(f"row {name!r} has not answered every context asked for")
         return [[score(row["contexts"][str(i)], self.index[i])[measure] for i in contexts] for row in self.rows[name]]
 
-    def compare(self, first: str, second: str) -> str:
-        """The paired differences of two rows on the contexts both have answered."""
+    def compare(self, first: str, second: str, depth: bool = False) -> str:
+        """The paired differences of two rows on the contexts both have answered (`depth`: and the
+        headline's in each quarter of the context, `depth_quarter`)."""
         contexts = sorted(set(self.answered(first)) & set(self.answered(second)))
         if not contexts:
             raise TableError(f"rows {first!r} and {second!r} have no answered context in common")
@@ -120,6 +134,12 @@ class Table:
                                               self.measure(second, measure, contexts))
             parts.append(f"{measure} {diff:+.{1 if not unit else 3}f}{unit} "
                          f"({low:+.{1 if not unit else 3}f} to {high:+.{1 if not unit else 3}f})")
+        if depth:
+            a, b = self.measure(first, "by_depth", contexts), self.measure(second, "by_depth", contexts)
+            for q in range(DEPTH_QUARTERS):
+                if in_quarter(a, q):
+                    diff, low, high = paired_interval(in_quarter(a, q), in_quarter(b, q))
+                    parts.append(f"quarter {q + 1} exact {diff:+.1f} ({low:+.1f} to {high:+.1f})")
         on = "" if contexts == list(range(self.base)) else f" (on the {len(contexts)} contexts both have answered)"
         return f"`{first}` - `{second}`{on}: " + "; ".join(parts)
 
@@ -156,6 +176,7 @@ class Table:
         if unfinished:
             lines += ["", "Still being measured (not in the table; a comparison with them reads the contexts both rows "
                       "have answered): " + ", ".join(unfinished) + "."]
+        lines += self.by_depth(flat)
         lines += self.more_contexts()
         stated = [self.compare(*pair.split(",")) for pair in COMPARISONS if all(n in self.rows for n in pair.split(","))]
         if stated:
@@ -163,6 +184,18 @@ class Table:
                       "rows together and each row's trainings), `shared_table.py --compare A,B`:", ""]
             lines += [f"- {line}" for line in stated]
         return "\n".join(lines) + "\n", points
+
+    def by_depth(self, finished: dict) -> list[str]:
+        """The headline of each finished row by the quarter of the context its facts stand in."""
+        lines = ["", "The headline by where the fact stands (the quarter of the context's text before it; the first "
+                 "quarter is farthest from the questions, 3-4K tokens back):", "",
+                 "| row | " + " | ".join(f"quarter {q + 1}" for q in range(DEPTH_QUARTERS)) + " |",
+                 "|---|" + "---|" * DEPTH_QUARTERS]
+        for name in ordered(finished):
+            per_training = self.measure(name, "by_depth")
+            cells = [in_quarter(per_training, q) for q in range(DEPTH_QUARTERS)]
+            lines.append(f"| `{name}` | " + " | ".join(f"{interval(c)[0]:.1f}" if c else "-" for c in cells) + " |")
+        return lines
 
     def more_contexts(self) -> list[str]:
         """The rows that answered more than the table's contexts, on all of theirs, beside the original."""
@@ -182,6 +215,12 @@ class Table:
         return lines
 
 
+def in_quarter(by_depth: list[list[dict]], quarter: int) -> list[list[list[float]]]:
+    """`[training][context][question]` scores of the facts in `quarter` (`measure(..., "by_depth")`),
+    the contexts with none there left out (the same for every row: they share the index); [] if none has."""
+    return [kept for kept in ([c[quarter] for c in training if c[quarter]] for training in by_depth) if kept]
+
+
 def same_set(ours: dict, peers: dict) -> bool:
     """Two rows files made on one problem set, or on one set and a prefix of it (`extends`)."""
     mine, theirs = {ours.get("problems"), *ours.get("extends", ())}, {peers.get("problems"), *peers.get("extends", ())}
@@ -195,7 +234,8 @@ def main() -> int:
     parser.add_argument("--doc", default=str(ALL_RESULTS / "long-context.md"))
     parser.add_argument("--plot", default=str(RESULTS / "shared-context.png"))
     parser.add_argument("--contexts", type=int, default=TABLE_CONTEXTS, help="the table's contexts: the first N")
-    parser.add_argument("--compare", metavar="A,B", help="print the paired differences of two rows, write nothing")
+    parser.add_argument("--compare", metavar="A,B", help="print the paired differences of two rows (also by the "
+                        "quarter of the context the facts stand in), write nothing")
     args = parser.parse_args()
     if args.contexts < 1:
         print(f"error: --contexts must be >= 1, got {args.contexts}", file=sys.stderr)
@@ -208,7 +248,7 @@ def main() -> int:
             names = args.compare.split(",")
             if len(names) != 2:
                 raise TableError(f"--compare takes two row names separated by a comma, not {args.compare!r}")
-            print(table.compare(*names))
+            print(table.compare(*names, depth=True))
             return 0
         text, points = table.render()
         write_section(Path(args.doc), BEGIN, END, text)
