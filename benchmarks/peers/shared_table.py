@@ -57,10 +57,12 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-long-retrieval25,conversion@0.5",
                "conversion@0.5-long-retrieval25,conversion@0.5-retrieval25",
                "conversion@0.5-long-retrieval25,kvzip@0.5",
+               "conversion@0.5-ablation-joint,conversion@0.5", "conversion@0.5-ablation-joint,window@0.5-ablation-joint",
+               "conversion@0.5-ablation-joint,kvzip@0.5", "window@0.5-ablation-joint,window@0.5",
                "conversion@0.25-ablation-joint,conversion@0.25",
                "conversion@0.25-ablation-joint,conversion@0.25-ablation-retrieval",
                "conversion@0.25-ablation-joint,window@0.25-ablation-joint",
-               "conversion@0.25-ablation-joint,kvzip@0.25",
+               "conversion@0.25-ablation-joint,kvzip@0.25", "window@0.25-ablation-joint,window@0.25",
                "kvzip@0.25,original")
 
 
