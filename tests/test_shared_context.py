@@ -15,7 +15,7 @@ from tiny_models import MIXERS, WORDS, save_tiny_run_model, spec_for, tiny_model
 from recurformer import convert
 from recurformer.cache import CACHE_ARGUMENT
 from recurformer.cli import main
-from recurformer.evaluate.bootstrap import interval, paired_interval
+from recurformer.evaluate.bootstrap import interval, mean, paired_interval
 from recurformer.evaluate.conversation import EXTRA_TOKENS, ask
 from recurformer.evaluate.shared_context import context_ids, value_start
 from recurformer.retrieval_probe import NEEDLE as PROBE_NEEDLE, QUESTION as PROBE_QUESTION
@@ -194,14 +194,15 @@ def test_the_value_starts_at_its_first_visible_token(tokenizer):
 def test_intervals_resample_contexts_and_trainings():
     rng = np.random.default_rng(0)
     row = [[list(rng.integers(0, 2, 8)) for _ in range(30)]]
-    mean, low, high = interval(row)
-    assert low < mean < high and mean == pytest.approx(np.mean(row))
+    centre, low, high = interval(row)
+    assert low < centre < high and centre == pytest.approx(np.mean(row)) == mean(row)
+    assert mean([[[1, 1, 1, 1], [0, 0]]]) == 0.5  # each context weighs alike, whatever its questions
     assert paired_interval(row, row) == (0.0, 0.0, 0.0)
     constant = [[[1, 0]] * 30]  # every context the same: nothing to resample
     assert interval(constant) == (0.5, 0.5, 0.5)
     trainings = [[[1, 0]] * 30, [[1, 1]] * 30, [[0, 0]] * 30]  # only the trainings differ
-    mean, low, high = interval(trainings)
-    assert mean == pytest.approx(0.5) and high - low > 0.3
+    centre, low, high = interval(trainings)
+    assert centre == pytest.approx(0.5) and high - low > 0.3
     shifted = [[[min(1, v + 1) for v in c] for c in row[0]]]
     diff, low, high = paired_interval(shifted, row)
     assert 0 < low <= diff <= high

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from recurformer.errors import RecurformerError
-from recurformer.evaluate.bootstrap import interval, paired_interval
+from recurformer.evaluate.bootstrap import interval, mean, paired_interval
 from recurformer.tasks.shared_context import KINDS, is_exact
 
 from benchmarks.common import RESULTS as ALL_RESULTS
@@ -139,8 +139,9 @@ class Table:
         if depth:
             a, b = self.measure(first, "by_depth", contexts), self.measure(second, "by_depth", contexts)
             for q in range(DEPTH_QUARTERS):
-                if in_quarter(a, q):
-                    diff, low, high = paired_interval(in_quarter(a, q), in_quarter(b, q))
+                first_quarter = in_quarter(a, q)
+                if first_quarter:
+                    diff, low, high = paired_interval(first_quarter, in_quarter(b, q))
                     parts.append(f"quarter {q + 1} exact {diff:+.1f} ({low:+.1f} to {high:+.1f})")
         on = "" if contexts == list(range(self.base)) else f" (on the {len(contexts)} contexts both have answered)"
         return f"`{first}` - `{second}`{on}: " + "; ".join(parts)
@@ -148,7 +149,7 @@ class Table:
     def render(self) -> tuple[str, dict]:
         contexts, questions = self.base, sum(len(c["needles"]) for c in self.index[:self.base])
         original = self.measure("original", "multi-request/exact")
-        top = interval(original)[0]
+        top = mean(original)
         lines = [f"{contexts} contexts, {questions} questions in all. *cache*: the row's bytes at the context length "
                  "over the original's. **Headline**: multi-request exact match (0-100); every value is the mean "
                  "over the contexts (and trainings: *trained* counts them) with its 90% interval, which resamples "
@@ -164,8 +165,8 @@ class Table:
             head, low, high = interval(self.measure(name, "multi-request/exact"))
             turn = interval(self.measure(name, "multi-turn/exact"))
             logp = interval(self.measure(name, "multi-request/logprob"))
-            firsts = interval(self.measure(name, "multi-request/first"))[0]
-            by_kind = [interval([[c[k] for c in training] for training in self.measure(name, "by_kind")])[0]
+            firsts = mean(self.measure(name, "multi-request/first"))
+            by_kind = [mean([[c[k] for c in training] for training in self.measure(name, "by_kind")])
                        for k in KINDS]
             trained = str(len(rows)) if first["kind"] == "conversion" else "-"
             points.setdefault(kind_name(first["kind"], first["budget"]), []).append((fraction, head, low, high))
@@ -196,7 +197,7 @@ class Table:
         for name in ordered(finished):
             per_training = self.measure(name, "by_depth")
             cells = [in_quarter(per_training, q) for q in range(DEPTH_QUARTERS)]
-            lines.append(f"| `{name}` | " + " | ".join(f"{interval(c)[0]:.1f}" if c else "-" for c in cells) + " |")
+            lines.append(f"| `{name}` | " + " | ".join(f"{mean(c):.1f}" if c else "-" for c in cells) + " |")
         return lines
 
     def more_contexts(self) -> list[str]:
@@ -209,7 +210,7 @@ class Table:
             head, low, high = interval(self.measure(name, "multi-request/exact", contexts))
             line = f"- `{name}` on {len(contexts)} contexts: **{head:.1f}** ({low:.1f}-{high:.1f})"
             if name != "original" and set(contexts) <= set(self.answered("original")):
-                top = interval(self.measure("original", "multi-request/exact", contexts))[0]
+                top = mean(self.measure("original", "multi-request/exact", contexts))
                 line += f", {head / top:.0%} of the original's {top:.1f} on them"
             lines.append(line)
         if lines:

@@ -30,6 +30,12 @@ def _draws(per_context: np.ndarray, contexts: np.ndarray, rng: np.random.Generat
     return np.take_along_axis(means.T, seeds, axis=1).mean(axis=1)
 
 
+def mean(scores) -> float:
+    """The mean of `scores[s][c][q]` over trainings and contexts (each context weighs alike):
+    `interval`'s first value, without the resampling."""
+    return float(_per_context(scores).mean())
+
+
 def interval(scores, draws: int = DRAWS, seed: int = 0, level: float = LEVEL) -> tuple[float, float, float]:
     """(mean, low, high) of `scores[s][c][q]`: the mean over trainings and contexts and its percentile
     interval."""
