@@ -5,15 +5,18 @@ and the GPU kernels against their oracles within 1e-4 relative in fp32, 2e-2 in 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError
-from recurformer.decode_graph import DecodeGraph
+from recurformer.decode_graph import DecodeGraph, static_step
 from recurformer.device import Placement, resolve_device, resolve_dtype
 from recurformer.loading import load_converted
 from recurformer.mixers import MixerConfig
+from recurformer.ops import kernels
+from recurformer.ops.decode_attention import decode_attention
 from recurformer.ops.ssd import ssd, ssd_naive
 from recurformer.ops.window import window_attention, window_attention_naive
 from recurformer.surgery import convert
@@ -236,8 +239,12 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     gpu.main()
     data = json.loads((tmp_path / "gpu.json").read_text())
     sections = data["models"]["tiny"]
-    assert {r["model"] for r in sections["batch1"]} == {"original", "conversion@0.5", "conversion@0.75",
+    assert {r["model"] for r in sections["batch1"]} == {"original", "conversion@0.5", "conversion@0.75", "original+graphs", "original+graphs-split",
                                                          "conversion@0.5+graphs", "conversion@0.75+graphs"}
+    originals = {(r["model"], r["context"]): r for r in sections["batch1"] if r["model"].startswith("original")}
+    graphed = next(r for r in sections["batch1"] if r["model"] == "conversion@0.5+graphs")
+    assert gpu._baseline(originals, graphed)["model"] == "original+graphs"  # graphs beside graphs
+    assert gpu._baseline(originals, {**graphed, "model": "conversion@0.5"})["model"] == "original"
     assert {r["batch"] for r in sections["throughput"] if r["model"] == "original"} == {4}
     assert {r["batch"] for r in sections["throughput"] if r["model"] == "conversion@0.5"} >= {8}
     assert len(sections["train"]) == 2 and not data["errors"]
@@ -247,15 +254,49 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     gpu.main()
     page = (tmp_path / "gpu.md").read_text()
     assert "| conversion@0.5 | 256 |" in page and "Largest batch" in page
+    targets = page.split("## Targets (issue 47)")[1]
+    assert "x original+graphs-split" in targets and "not measured in this run" in targets  # 8K, 128K: not run
 
     def refused(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(gpu, "DecodeGraph", refused)  # a capture that fails is recorded; the eager rows stand
+    monkeypatch.setattr(gpu, "graphed_step", refused)  # a capture that fails is recorded; the eager rows stand
     rows = gpu._decodes(LlamaForCausalLM(shape).eval(), "m", None, torch.zeros(1, 1, dtype=torch.long), 8, 1, 1, 1,
                         ["graphs"])
     assert rows == [{"model": "m+graphs", "context": 8, "batch": 1,
                      "error": "RuntimeError: operation not permitted when stream is capturing"}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_attention_on_the_device_matches_the_oracle(device, dtype):
+    """The kept heads' decode attention (on a GPU the split-key Triton kernel) at a
+    Llama-8B group shape over 5,000 slots, rows starting at different slots, against fp32
+    SDPA on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    query, keys, values = (torch.randn(2, 8, n, 128, generator=g) for n in (4, 5000, 5000))
+    seen = ((torch.arange(5000) >= torch.tensor([[0], [1234]])) & (torch.arange(5000) < 4990))[:, None, None, :]
+    ref = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=128**-0.5)
+    out = decode_attention(*(t.to(device, dtype) for t in (query, keys, values)), seen.to(device), 128**-0.5)
+    assert out.dtype == dtype and relative(out, ref) <= BOUND[dtype]
+
+
+def test_the_benchmarks_split_attention_decodes_as_sdpa(device):
+    """The GPU benchmark's `graphs-split` baseline: the original's decode steps over a
+    `StaticCache` with its attention through `decode_attention` give SDPA's logits."""
+    from benchmarks.speed import gpu
+
+    model = tiny_model("llama").to(device).eval()
+    ids = torch.randint(1, 97, (2, 30), device=device)
+    runs = []
+    for implementation in ("sdpa", gpu.SPLIT):
+        model.config._attn_implementation = implementation
+        cache = StaticCache(config=model.config, max_cache_len=40)
+        with torch.no_grad():
+            runs.append(torch.cat([model(ids[:, :20], use_cache=True, **{CACHE_ARGUMENT: cache}).logits[:, -1:]] + [
+                model(ids[:, t:t + 1], position_ids=torch.full((2, 1), t, device=device), use_cache=True,
+                      **{CACHE_ARGUMENT: cache}).logits for t in range(20, 30)], 1))
+    model.config._attn_implementation = "sdpa"
+    assert relative(runs[1], runs[0]) <= BOUND[torch.float32]
 
 
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
@@ -289,6 +330,31 @@ def test_graphed_decode_equals_the_dynamic_decode(device, arch, mixer):
         runs.append(torch.cat(logits, 1))
     assert relative(runs[1], runs[0]) <= BOUND[torch.float32]
     assert cache.get_seq_length() == width + 12
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_the_static_step_never_reads_the_device(arch, mixer, monkeypatch):
+    """What a CUDA graph captures must not wait for the device: the static step (the PyTorch
+    path a GPU takes) runs with every tensor fake, where `.item()`, `bool(tensor)` or a
+    shape that depends on values raise; so does the original's step over a `StaticCache`,
+    the benchmark's captured baseline."""
+    monkeypatch.setenv(kernels.ENV, "torch")
+    kernels.reset()
+    model = tiny_model(arch).eval()
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS[mixer], init="random")).eval()
+    ids, positions = torch.ones(2, 1, dtype=torch.long), torch.full((2, 1), 30)
+    with torch.no_grad():
+        cache = HybridCache(2)
+        converted(torch.randint(1, 97, (2, 30)), **{CACHE_ARGUMENT: cache})
+        cache.make_static(40, torch.tensor([0, 5]))
+        original = StaticCache(config=model.config, max_cache_len=40)
+        model(torch.randint(1, 97, (2, 30)), use_cache=True, **{CACHE_ARGUMENT: original})
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            static_step(converted, ids, positions, cache)
+            model(input_ids=ids, position_ids=positions, use_cache=True, **{CACHE_ARGUMENT: original})
+    kernels.reset()
+    with pytest.raises(DataDependentOutputException), FakeTensorMode(allow_non_fake_inputs=True):
+        torch.ones(2).sum().item()  # the check can fail
 
 
 def test_graphed_decode_keeps_a_sliding_window():

@@ -22,6 +22,7 @@ from .config import ConfigError
 from .mixers import HeadShape, MixerConfig, build_mixer, resolve_for_model
 from .ops.backends import pick_backend
 from .ops.attention_step import AttentionStepKernel, AttentionWeights
+from .ops.decode_attention import decode_attention
 from .ops.module_kernels import KernelsByModule, records_gradients
 
 _decode_kernels = KernelsByModule()  # HybridAttention -> its kept heads' compiled decode step
@@ -203,7 +204,9 @@ class HybridAttention(nn.Module):
             v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
             keys, values, visible = layer.append_static(k, v, self.sliding_window)
-            parts.append(packed_decode_attention(q, keys, values, visible, self.scaling).reshape(batch, 1, -1))
+            groups = keys.shape[1]
+            out = decode_attention(q.reshape(batch, groups, -1, self.head_dim), keys, values, visible, self.scaling)
+            parts.append(out.reshape(batch, 1, -1))
         else:
             layer.length += 1  # no K/V, but the count goes on
         if self.mixer is not None:

@@ -39,44 +39,56 @@ def static_step(model, ids: Tensor, positions: Tensor, cache: HybridCache) -> Te
     return model.lm_head(base.norm(hidden))
 
 
-class DecodeGraph:
-    """Decode steps of `model` over a prefilled `cache`, with room for `capacity` tokens in
-    all; `starts` `[B]`: each row's first real token in a left-padded batch. On a GPU the
-    step is captured as a CUDA graph on its second call and replayed from then on."""
+class GraphedStep:
+    """A decode step `step(ids, positions) -> logits` (ids and positions `[B, 1]`, logits
+    `[B, 1, V]`) over state that stays in place between calls: eager on the CPU; on a GPU
+    run once eagerly on a side stream (the warm-up a capture needs, and a real token),
+    captured as a CUDA graph on the second call, replayed from then on."""
 
-    def __init__(self, model, cache: HybridCache, capacity: int, starts: Tensor | None = None):
-        cache.make_static(capacity, starts)
-        self.model, self.cache = model, cache
-        batch = cache.batch_size
-        device = model_device(model)
+    def __init__(self, step, batch: int, device: torch.device):
+        self.step = step
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.logits: Tensor | None = None
         self.graph = None
-        self.steps = 0
-        self.capacity = capacity
 
     @torch.no_grad()
     def __call__(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Logits `[B, 1, V]` of the next token after `ids` at `positions` (both `[B, 1]`); the
-        cache takes the token. A copy: the graph's own output is overwritten by the next step."""
-        if self.steps + self.cache.layers[0].tokens >= self.capacity:
-            raise ValueError(f"DecodeGraph: the cache is full ({self.capacity} tokens)")
+        """The step's logits; a copy: the graph's own output is overwritten by the next step."""
         self.ids.copy_(ids)
         self.positions.copy_(positions)
-        self.steps += 1
         if self.ids.device.type != "cuda":
-            return static_step(self.model, self.ids, self.positions, self.cache)
-        if self.graph is None and self.logits is None:  # warm-up on a side stream, as capture asks
+            return self.step(self.ids, self.positions)
+        if self.graph is None and self.logits is None:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.logits = static_step(self.model, self.ids, self.positions, self.cache)
+                self.logits = self.step(self.ids, self.positions)
             torch.cuda.current_stream().wait_stream(stream)
             return self.logits.clone()
         if self.graph is None:  # capturing records the step without running it: replay runs it
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = static_step(self.model, self.ids, self.positions, self.cache)
+                self.logits = self.step(self.ids, self.positions)
         self.graph.replay()
         return self.logits.clone()
+
+
+class DecodeGraph:
+    """Decode steps of `model` over a prefilled `cache`, with room for `capacity` tokens in
+    all; `starts` `[B]`: each row's first real token in a left-padded batch. The static
+    step (`static_step`) as a `GraphedStep`."""
+
+    def __init__(self, model, cache: HybridCache, capacity: int, starts: Tensor | None = None):
+        cache.make_static(capacity, starts)
+        self.cache, self.capacity, self.steps = cache, capacity, 0
+        self.step = GraphedStep(lambda ids, positions: static_step(model, ids, positions, cache), cache.batch_size,
+                                model_device(model))
+
+    def __call__(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Logits `[B, 1, V]` of the next token after `ids` at `positions` (both `[B, 1]`); the
+        cache takes the token."""
+        if self.steps + self.cache.layers[0].tokens >= self.capacity:
+            raise ValueError(f"DecodeGraph: the cache is full ({self.capacity} tokens)")
+        self.steps += 1
+        return self.step(ids, positions)

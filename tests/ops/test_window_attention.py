@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recurformer.ops import kernels
+from recurformer.ops.window import blockwise
 from recurformer.ops.window import (
     token_positions,
     visible,
@@ -243,3 +244,14 @@ def test_compiled_threads_and_determinism(compiled):
         torch.set_num_threads(threads)
     assert torch.equal(out1, out2)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+@pytest.mark.parametrize("least", [1, 100, 1024], ids=["window-sized", "uneven", "gpu-sized"])
+def test_the_block_size_changes_nothing(monkeypatch, least):
+    """Blocks of at least 1, 100 or 1024 queries (a GPU's size) give the oracle's result,
+    with a ring buffer, sinks and left padding."""
+    monkeypatch.setitem(blockwise.MIN_BLOCK, "cpu", least)
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, :77] = 0
+    assert_same(window_attention_blockwise, make_inputs(300, seed=7), 24, 3, mask=mask,
+                past=ring_buffer([40, 5], 24, 3))

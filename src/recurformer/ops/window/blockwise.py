@@ -1,6 +1,7 @@
 """Windowed attention in PyTorch, block by block: the `torch` backend.
 
-Queries go in blocks of `window` steps (at least 64: fewer, larger ops for short windows).
+Queries go in blocks of `window` steps (at least 64 on the CPU: fewer, larger ops for short
+windows; at least 1024 on a GPU, where a block costs its launches more than its arithmetic).
 A query at step t of a row whose real tokens are consecutive sees, among the call's
 tokens, only steps (t - window, t] and the row's first `sinks` real tokens, so a block of
 queries [t0, t1) needs the past, those sink tokens and steps [t0 - window + 1, t1): SDPA
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from .naive import Past, token_positions, visible
 
-_MIN_BLOCK = 64
+MIN_BLOCK = {"cpu": 64, "cuda": 1024}  # queries a block holds at least, by device type
 
 
 def window_attention_blockwise(
@@ -31,7 +32,7 @@ def window_attention_blockwise(
     mask: Tensor | None = None,
     past: Past | None = None,
 ) -> Tensor:
-    """Windowed attention in blocks of `max(window, 64)` queries; signature and results as
+    """Windowed attention in blocks of `max(window, MIN_BLOCK)` queries; signature and results as
     `window_attention_naive` (q `[B, T, H, D]`, k and v `[B, T, G, D]` -> `[B, T, H, D]`)."""
     batch, length, heads, dim = q.shape
     scale = dim**-0.5 if scale is None else scale
@@ -43,7 +44,7 @@ def window_attention_blockwise(
     position = token_positions(mask, None if past is None else past[2], batch, length, q.device)
     fixed = _fixed_keys(k, v, position, sinks, past)  # the past and the call's sink tokens
     outputs = []
-    block = max(window, _MIN_BLOCK)
+    block = max(window, MIN_BLOCK.get(q.device.type, MIN_BLOCK["cpu"]))
     for start in range(0, length, block):
         end, first = min(length, start + block), max(0, start - window + 1)
         keys, values, key_position = [k[:, first:end]], [v[:, first:end]], [position[:, first:end]]

@@ -1,0 +1,129 @@
+"""One decode step's attention over a long static K/V buffer, split along the keys.
+
+[ours] A decode step has one query per head, so SDPA's GPU kernels, which share out work
+by (row, head, block of queries), run a few dozen programs over the whole buffer: on an
+H100 the original's decode at 128K tokens read its cache at about a twentieth of the
+card's bandwidth (docs/results/gpu.md). Here the keys are cut into splits, each split's
+queries of a KV group attend over it in one Triton program (online softmax, fp32), and the
+splits' outputs are merged by their log-sum-exp ("flash decoding"). Each K/V head is read
+once for all the query heads of its group.
+
+    decode_attention(q, k, v, visible, scale)
+        q `[B, G, Q, D]` (the Q query heads of each of G KV groups), k and v `[B, G, C, D]`,
+        visible bool broadcastable to `[B, G, 1, C]` (True: the query sees that slot)
+        -> `[B, G, Q, D]` in q's dtype
+
+On a CUDA tensor with Triton present: the split kernel (its first call compiles it; a
+kernel that fails to build falls back to SDPA with a one-line notice); anywhere else:
+SDPA, which is what the kernel is checked against.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # the GPU path only; the CPU never needs it (its tests run Triton's interpreter)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+BLOCK_KEYS = 64  # keys a program loads at once
+_state = {"failed": None}  # the reason the kernel could not be used, once it failed
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """See the module docstring."""
+    if use_kernel(q):
+        try:
+            return split_decode_attention(q, k, v, visible, scale)
+        except Exception as error:  # noqa: BLE001 - a kernel that does not build must not stop decoding
+            _state["failed"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            print(f"recurformer: the split decode attention kernel failed ({_state['failed']}); using SDPA",
+                  file=sys.stderr)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+
+
+def use_kernel(q: Tensor) -> bool:
+    """Whether `decode_attention` takes the Triton kernel for `q`."""
+    return triton is not None and q.device.type == "cuda" and _state["failed"] is None and q.shape[2] <= 64
+
+
+def split_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
+                           splits: int | None = None) -> Tensor:
+    """The split kernel itself (Triton: a GPU, or its interpreter with `TRITON_INTERPRET=1`);
+    `splits`: how many pieces the keys are cut into (default: enough programs to fill the
+    GPU twice over)."""
+    batch, groups, queries, dim = q.shape
+    length = k.shape[2]
+    if splits is None:
+        programs = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4)
+        splits = max(1, min(math.ceil(length / BLOCK_KEYS), math.ceil(programs / (batch * groups))))
+    span = math.ceil(math.ceil(length / splits) / BLOCK_KEYS) * BLOCK_KEYS  # keys per split
+    splits = math.ceil(length / span)
+    seen = visible.expand(batch, groups, 1, length).view(torch.uint8)
+    partial = torch.empty(batch, groups, splits, queries, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, groups, splits, queries, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch * groups, splits)](
+        q, k, v, seen, partial, lse,
+        groups, queries, length, dim, span, scale,
+        *q.stride(), *k.stride(), *v.stride(), seen.stride(0), seen.stride(1), seen.stride(3),
+        BLOCK_Q=max(16, triton.next_power_of_2(queries)), BLOCK_N=BLOCK_KEYS,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=q.dtype == torch.float32,
+    )
+    weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # [B, G, S, Q]; an empty split weighs 0
+    out = (partial * weight[..., None]).sum(dim=2) / weight.sum(dim=2)[..., None]
+    return out.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, seen_ptr, out_ptr, lse_ptr,
+                      groups, queries, length, dim, span, scale,
+                      sqb, sqg, sqq, sqd, skb, skg, skc, skd, svb, svg, svc, svd, smb, smg, smc,
+                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        """Program (row x group, split): the group's queries over keys [split * span, +span)
+        -> their softmax-weighted values, normalized within the split, and the split's
+        log-sum-exp (-1e30 where it sees no key)."""
+        row_group, split = tl.program_id(0), tl.program_id(1)
+        b, g = row_group // groups, row_group % groups
+        iq, idim = tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_D)
+        q_mask = (iq[:, None] < queries) & (idim[None, :] < dim)
+        query = tl.load(q_ptr + b * sqb + g * sqg + iq[:, None] * sqq + idim[None, :] * sqd, mask=q_mask, other=0.0)
+        best = tl.full((BLOCK_Q,), -1e30, tl.float32)
+        total = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        start = split * span
+        for offset in tl.range(0, span, BLOCK_N):
+            keys = start + offset + tl.arange(0, BLOCK_N)
+            inside = keys < length
+            seen = tl.load(seen_ptr + b * smb + g * smg + keys * smc, mask=inside, other=0) != 0
+            kv_mask = inside[:, None] & (idim[None, :] < dim)
+            key = tl.load(k_ptr + b * skb + g * skg + keys[:, None] * skc + idim[None, :] * skd, mask=kv_mask, other=0.0)
+            value = tl.load(v_ptr + b * svb + g * svg + keys[:, None] * svc + idim[None, :] * svd, mask=kv_mask, other=0.0)
+            if IEEE:  # fp32 inputs: full-precision products (Triton's default for fp32 is TF32)
+                scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
+            else:
+                scores = tl.dot(query, tl.trans(key)).to(tl.float32) * scale
+            scores = tl.where(seen[None, :], scores, -1e30)
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.where(seen[None, :], tl.exp(scores - new_best[:, None]), 0.0)
+            rescale = tl.exp(best - new_best)
+            total = total * rescale + tl.sum(weights, axis=1)
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(weights, value, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(weights.to(value.dtype), value).to(tl.float32)
+            best = new_best
+        found = total > 0
+        out = tl.where(found[:, None], acc / tl.where(found, total, 1.0)[:, None], 0.0)
+        base = (row_group * tl.num_programs(1) + split) * queries
+        tl.store(out_ptr + (base + iq[:, None]) * dim + idim[None, :], out, mask=q_mask)
+        tl.store(lse_ptr + base + iq, tl.where(found, best + tl.log(tl.where(found, total, 1.0)), -1e30),
+                 mask=iq < queries)
