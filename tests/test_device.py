@@ -5,8 +5,8 @@ and the GPU kernels against their oracles within 1e-4 relative in fp32, 2e-2 in 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
@@ -18,7 +18,9 @@ from recurformer.mixers import MixerConfig
 from recurformer.ops import kernels
 from recurformer.ops.decode_attention import decode_attention
 from recurformer.ops.ssd import ssd, ssd_naive
+from recurformer.ops.step import mamba2_step
 from recurformer.ops.window import window_attention, window_attention_naive
+from recurformer.ops.window.ring_step import ring_slot, ring_step, ring_step_torch
 from recurformer.surgery import convert
 
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -278,6 +280,40 @@ def test_decode_attention_on_the_device_matches_the_oracle(device, dtype):
     ref = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=128**-0.5)
     out = decode_attention(*(t.to(device, dtype) for t in (query, keys, values)), seen.to(device), 128**-0.5)
     assert out.dtype == dtype and relative(out, ref) <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_mixer_steps_on_the_device_match_the_oracle(device, dtype):
+    """The mamba2 step and the window's ring-buffer step (on a GPU the Triton kernels) at a
+    Llama-8B layer's sizes against the PyTorch steps in fp32 on the CPU, states included."""
+    g = torch.Generator().manual_seed(1)
+    rows, heads, groups, dim, state_size, width = 2, 8, 2, 128, 32, 4
+    channels = groups * dim + groups * state_size + heads * state_size
+    ssm_in = [torch.randn(rows, heads * dim + channels + heads, generator=g), torch.randn(rows, channels, width, generator=g),
+              torch.randn(rows, heads, dim, state_size, generator=g)]
+    weights = [torch.randn(channels, width, generator=g), torch.randn(channels, generator=g), torch.randn(heads, generator=g),
+               torch.randn(heads, generator=g), torch.randn(heads, generator=g), torch.randn(heads * dim, generator=g)]
+    rounded = [t.to(dtype).float().clone() for t in ssm_in[:2] + weights]
+    ref_state = ssm_in[2].clone()
+    ref = mamba2_step(rounded[0], rounded[1], ref_state, *rounded[2:], groups, 1e-5, backend="naive")
+    placed = [t.to(device, dtype).clone() for t in ssm_in[:2] + weights]
+    state = ssm_in[2].to(device).clone()
+    out = mamba2_step(placed[0], placed[1], state, *placed[2:], groups, 1e-5)
+    assert relative(out, ref) <= BOUND[dtype] and relative(state, ref_state) <= BOUND[dtype]
+
+    window, sinks, kv = 262, 4, 4
+    keys, values = torch.randn(rows, sinks + window, kv, dim, generator=g), torch.randn(rows, sinks + window, kv, dim, generator=g)
+    index = torch.full((rows, sinks + window), -1)
+    for r, seen in enumerate((10, 1000)):
+        for n in range(seen):
+            index[r, ring_slot(torch.tensor(n), window, sinks)] = n
+    q, k, v = (torch.randn(rows, n, dim, generator=g).to(dtype).float() for n in (16, kv, kv))
+    ring = [keys.clone(), values.clone(), index.clone()]
+    ref = ring_step_torch(q, k, v, *ring, window, sinks, dim**-0.5)
+    placed = [keys.to(device).clone(), values.to(device).clone(), index.to(device).clone()]
+    out = ring_step(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), *placed, window, sinks, dim**-0.5)
+    assert relative(out, ref) <= BOUND[dtype] and torch.equal(placed[2].cpu(), ring[2])
+    assert relative(placed[0], ring[0]) <= BOUND[dtype]
 
 
 def test_the_benchmarks_split_attention_decodes_as_sdpa(device):

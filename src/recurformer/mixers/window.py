@@ -20,11 +20,11 @@ no index, so left padding changes nothing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..ops.window import token_positions, window_attention
+from ..ops.window.ring_step import ring_slot, ring_step
 from ..ops.window_step import Tail, WindowWeights
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
 from .config import MixerConfig
@@ -92,8 +92,7 @@ class WindowMixer(Mixer):
 
     def slots(self, index: Tensor) -> Tensor:
         """Ring-buffer slot of the tokens at positions `index` (>= 0)."""
-        ring = self.sinks + (index - self.sinks).remainder(self.window)
-        return torch.where(index < self.sinks, index, ring)
+        return ring_slot(index, self.window, self.sinks)
 
     @staticmethod
     def _positions(index: Tensor, attention_mask: Tensor | None, batch: int, length: int) -> Tensor:
@@ -169,18 +168,7 @@ class WindowMixer(Mixer):
         kernel = compiled_step(self, x)
         if kernel is not None:
             return kernel(x, *rotary(position_embeddings), state)
-        batch = x.shape[0]
-        q, k, v = self._project(x[:, None], position_embeddings)
-        keys, values, index = state["keys"], state["values"], state["index"]
-        position = index.max(dim=-1).values + 1  # [B]
-        rows, slot = torch.arange(batch, device=x.device), self.slots(position)
-        keys[rows, slot] = k[:, 0].to(keys.dtype)
-        values[rows, slot] = v[:, 0].to(values.dtype)
-        index[rows, slot] = position
-        # After the write the buffer holds exactly the tokens this query may see.
-        queries = q.reshape(batch, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=(index >= 0)[:, None, None, :], scale=self.scaling,
-        )
-        return out.reshape(batch, self.d_out)
+        q, k, v = self._project(x[:, None], position_embeddings)  # [B, H, 1, D], [B, 1, G, D], [B, 1, G, D]
+        out = ring_step(q[:, :, 0], k[:, 0], v[:, 0], state["keys"], state["values"], state["index"], self.window,
+                        self.sinks, self.scaling)
+        return out.reshape(x.shape[0], self.d_out)

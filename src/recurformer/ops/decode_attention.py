@@ -6,7 +6,7 @@ H100 the original's decode at 128K tokens read its cache at about a twentieth of
 card's bandwidth (docs/results/gpu.md). Here the keys are cut into splits, each split's
 queries of a KV group attend over it in one Triton program (online softmax, fp32), and the
 splits' outputs are merged by their log-sum-exp ("flash decoding"). Each K/V head is read
-once for all the query heads of its group.
+once for all the query heads of its group. Two launches in all: the splits, then their merge.
 
     decode_attention(q, k, v, visible, scale)
         q `[B, G, Q, D]` (the Q query heads of each of G KV groups), k and v `[B, G, C, D]`,
@@ -76,9 +76,10 @@ def split_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
         BLOCK_Q=max(16, triton.next_power_of_2(queries)), BLOCK_N=BLOCK_KEYS,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=q.dtype == torch.float32,
     )
-    weight = torch.exp(lse - lse.amax(dim=2, keepdim=True))  # [B, G, S, Q]; an empty split weighs 0
-    out = (partial * weight[..., None]).sum(dim=2) / weight.sum(dim=2)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty(batch, groups, queries, dim, dtype=q.dtype, device=q.device)
+    _merge_kernel[(batch * groups,)](partial, lse, out, splits, queries, dim,
+                                     BLOCK_Q=triton.next_power_of_2(queries), BLOCK_D=triton.next_power_of_2(dim))
+    return out
 
 
 if triton is not None:
@@ -127,3 +128,27 @@ if triton is not None:
         tl.store(out_ptr + (base + iq[:, None]) * dim + idim[None, :], out, mask=q_mask)
         tl.store(lse_ptr + base + iq, tl.where(found, best + tl.log(tl.where(found, total, 1.0)), -1e30),
                  mask=iq < queries)
+
+    @triton.jit
+    def _merge_kernel(partial_ptr, lse_ptr, out_ptr, splits, queries, dim,
+                      BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program (row x group): the splits' outputs weighted by exp(lse - the largest lse)
+        (an empty split weighs 0), summed and normalized -> `[Q, D]` in the output's dtype."""
+        row_group = tl.program_id(0)
+        iq, idim = tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_D)
+        q_mask = iq < queries
+        mask = q_mask[:, None] & (idim[None, :] < dim)
+        best = tl.full((BLOCK_Q,), -1e30, tl.float32)
+        for split in tl.range(0, splits):
+            best = tl.maximum(best, tl.load(lse_ptr + (row_group * splits + split) * queries + iq, mask=q_mask,
+                                            other=-1e30))
+        total = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        for split in tl.range(0, splits):
+            base = (row_group * splits + split) * queries
+            weight = tl.exp(tl.load(lse_ptr + base + iq, mask=q_mask, other=-1e30) - best)
+            total += weight
+            acc += weight[:, None] * tl.load(partial_ptr + (base + iq[:, None]) * dim + idim[None, :], mask=mask,
+                                             other=0.0)
+        tl.store(out_ptr + (row_group * queries + iq[:, None]) * dim + idim[None, :],
+                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)

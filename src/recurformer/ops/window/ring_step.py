@@ -1,0 +1,148 @@
+"""The window mixer's decode step over its ring buffer: write the token, attend over the buffer.
+
+    ring_step(q, k, v, keys, values, index, window, sinks, scale)
+        q `[B, H, D]`, k and v `[B, G, D]` (RoPE applied), the state's keys and values
+        `[B, sinks + window, G, D]` and index `[B, sinks + window]` (each slot's token
+        position, -1: empty; all updated in place) -> `[B, H, D]` in q's dtype
+
+The token at position n (one past the largest index) goes to slot n if n < sinks, else to
+slot `sinks + (n - sinks) % window`; after the write the buffer holds exactly the tokens the
+query may see, so the attention is a softmax over the filled slots, each KV group's query
+heads as that group's queries. `ring_step_torch` is the PyTorch step (the oracle, and the
+path off the GPU). [ours] On a GPU `ring_step_triton` does it in two launches (the write,
+one program per row; the attention, one per row and group) where PyTorch issues 17
+operator calls: on a GPU the decode step is bound by its launches (docs/results/gpu.md). A
+Triton kernel that fails to build falls back to PyTorch with a one-line notice.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # the GPU path only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+_failed: list[str] = []  # why the Triton step could not run, once it failed
+
+
+def ring_step(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, index: Tensor, window: int, sinks: int,
+              scale: float) -> Tensor:
+    """See the module docstring: Triton for CUDA tensors in inference, else PyTorch."""
+    tensors = (q, k, v, keys, values)
+    if (triton is not None and not _failed and q.is_cuda and keys.is_contiguous() and values.is_contiguous()
+            and index.is_contiguous() and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        try:
+            return ring_step_triton(q, k, v, keys, values, index, window, sinks, scale)
+        except Exception as error:  # noqa: BLE001 - a kernel that does not build must not stop decoding
+            _failed.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
+            print(f"recurformer: the Triton window step failed ({_failed[0]}); using PyTorch", file=sys.stderr)
+    return ring_step_torch(q, k, v, keys, values, index, window, sinks, scale)
+
+
+def ring_slot(position: Tensor, window: int, sinks: int) -> Tensor:
+    """The ring-buffer slot of the tokens at `position` (>= 0)."""
+    return torch.where(position < sinks, position, sinks + (position - sinks).remainder(window))
+
+
+def ring_step_torch(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, index: Tensor, window: int,
+                    sinks: int, scale: float) -> Tensor:
+    """The step in PyTorch (module docstring)."""
+    batch, heads, dim = q.shape
+    groups = k.shape[1]
+    position = index.max(dim=-1).values + 1  # [B]
+    rows, slot = torch.arange(batch, device=q.device), ring_slot(position, window, sinks)
+    keys[rows, slot] = k.to(keys.dtype)
+    values[rows, slot] = v.to(values.dtype)
+    index[rows, slot] = position
+    out = F.scaled_dot_product_attention(
+        q.reshape(batch, groups, heads // groups, dim), keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype), attn_mask=(index >= 0)[:, None, None, :], scale=scale,
+    )
+    return out.reshape(batch, heads, dim)
+
+
+def ring_step_triton(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, index: Tensor, window: int,
+                     sinks: int, scale: float) -> Tensor:
+    """The step as two Triton kernels (module docstring); a GPU, or Triton's interpreter."""
+    batch, heads, dim = q.shape
+    slots, groups = keys.shape[1], keys.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _write_kernel[(batch,)](k, v, keys, values, index, slots, groups * dim, window, sinks,
+                            BLOCK_S=triton.next_power_of_2(slots), BLOCK_GD=triton.next_power_of_2(groups * dim))
+    out = torch.empty_like(q)
+    queries = heads // groups
+    _attend_kernel[(batch * groups,)](
+        q, keys, values, index, out, groups, queries, slots, dim, scale,
+        BLOCK_Q=max(16, triton.next_power_of_2(queries)), BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, index_ptr, slots, width, window, sinks,
+                      BLOCK_S: tl.constexpr, BLOCK_GD: tl.constexpr):
+        """Program (row b): the token's position (one past the largest index), its slot, and
+        its key, value and position written there."""
+        b = tl.program_id(0)
+        js = tl.arange(0, BLOCK_S)
+        index = tl.load(index_ptr + b * slots + js, mask=js < slots, other=-1)
+        position = tl.max(index, axis=0) + 1
+        slot = tl.where(position < sinks, position, sinks + (position - sinks) % window)
+        i = tl.arange(0, BLOCK_GD)
+        mask = i < width
+        key = tl.load(k_ptr + b * width + i, mask=mask, other=0.0)
+        value = tl.load(v_ptr + b * width + i, mask=mask, other=0.0)
+        tl.store(keys_ptr + (b * slots + slot) * width + i, key.to(keys_ptr.dtype.element_ty), mask=mask)
+        tl.store(values_ptr + (b * slots + slot) * width + i, value.to(values_ptr.dtype.element_ty), mask=mask)
+        tl.store(index_ptr + b * slots + slot, position)
+
+    @triton.jit
+    def _attend_kernel(q_ptr, keys_ptr, values_ptr, index_ptr, out_ptr, groups, queries, slots, dim, scale,
+                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        """Program (row b, group g): the group's query heads over the filled slots (online
+        softmax in fp32; the buffer read in the queries' dtype, as the PyTorch step casts it)."""
+        row_group = tl.program_id(0)
+        b, g = row_group // groups, row_group % groups
+        iq, idim = tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_D)
+        q_mask = (iq[:, None] < queries) & (idim[None, :] < dim)
+        heads = groups * queries
+        q_ptrs = q_ptr + (b * heads + g * queries + iq[:, None]) * dim + idim[None, :]
+        query = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        best = tl.full((BLOCK_Q,), -1e30, tl.float32)
+        total = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)
+        for start in tl.range(0, slots, BLOCK_N):
+            js = start + tl.arange(0, BLOCK_N)
+            inside = js < slots
+            seen = tl.load(index_ptr + b * slots + js, mask=inside, other=-1) >= 0
+            kv_mask = inside[:, None] & (idim[None, :] < dim)
+            offsets = ((b * slots + js[:, None]) * groups + g) * dim + idim[None, :]
+            key = tl.load(keys_ptr + offsets, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
+            value = tl.load(values_ptr + offsets, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
+            if IEEE:
+                scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(query, tl.trans(key)).to(tl.float32) * scale
+            scores = tl.where(seen[None, :], scores, -1e30)
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            weights = tl.where(seen[None, :], tl.exp(scores - new_best[:, None]), 0.0)
+            rescale = tl.exp(best - new_best)
+            total = total * rescale + tl.sum(weights, axis=1)
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(weights, value, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(weights.to(value.dtype), value).to(tl.float32)
+            best = new_best
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + (b * heads + g * queries + iq[:, None]) * dim + idim[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
