@@ -3,7 +3,8 @@
 # oracles, decode against the full forward, padded batches, save and load, bf16), then the
 # GPU benchmark (benchmarks/speed/gpu.py) into $GPU_OUT. Runs from a checkout with no install:
 # the package from src/, the machine's own python3 with PyTorch, Triton and transformers.
-# BENCH_ARGS passes more flags to the benchmark (--models, --deadline-s, ...).
+# BENCH_ARGS passes more flags to the benchmark (--models, --modes, ...); TESTS_TIMEOUT (240 s) and
+# BENCH_DEADLINE_S (270 s, after which no new section starts) keep the whole within ten minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
@@ -18,9 +19,9 @@ mkdir -p "$OUT"
         "transformers wheel on PYTHONPATH" >&2
     exit 2
 }
-timeout ${TESTS_TIMEOUT:-900} "$PY" -m pytest -q -m cuda -p no:cacheprovider --durations=8 ${GPU_TESTS:-tests/test_device*.py} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+timeout ${TESTS_TIMEOUT:-240} "$PY" -m pytest -q -m cuda -p no:cacheprovider --durations=8 ${GPU_TESTS:-tests/test_device*.py} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 tests=${PIPESTATUS[0]}
-"$PY" -m benchmarks.speed.gpu --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | grep -v "^\[" | tail -20
+"$PY" -m benchmarks.speed.gpu --out "$OUT" --deadline-s ${BENCH_DEADLINE_S:-270} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | grep -v "^\[" | tail -20
 bench=${PIPESTATUS[0]}
 echo "gpu-check: tests exit $tests, benchmark exit $bench"
 exit $(( tests || bench ))

@@ -237,7 +237,7 @@ def test_the_gpu_benchmark_runs_and_renders_on_tiny_shapes(tmp_path, monkeypatch
     memory = (sum(p.numel() for p in LlamaForCausalLM(shape).parameters()) * 2 + 4 * 256 * per_token) / 2**30
     monkeypatch.setattr(sys, "argv", ["gpu.py", "--device", "cpu", "--contexts", "128,256", "--throughput-context", "256",
                                       "--memory-gib", str(memory), "--steps", "2", "--warmup", "1",
-                                      "--train-seq-len", "64", "--out", str(tmp_path)])
+                                      "--train-seq-len", "64", "--modes", "eager,graphs,graphs-split", "--out", str(tmp_path)])
     gpu.main()
     data = json.loads((tmp_path / "gpu.json").read_text())
     sections = data["models"]["tiny"]

@@ -482,8 +482,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also the original's decode under torch.compile "
                         "(transformers' compiled call: CUDA graphs), beside the conversion's own graphs")
     parser.add_argument("--deadline-s", type=float, default=500)
-    parser.add_argument("--modes", default="eager,graphs,graphs-split", type=lambda t: t.split(","),
-                        help="decode modes: eager, graphs (both models), graphs-split (the original only)")
+    parser.add_argument("--modes", default="graphs,graphs-split", type=lambda t: t.split(","),
+                        help="decode modes: eager (bound by the host on a GPU: docs/results/gpu-before-split.md), "
+                             "graphs (both models), graphs-split (the original only)")
     parser.add_argument("--no-train", action="store_true", help="skip the training step")
     parser.add_argument("--render", type=Path, help="write gpu.md beside this gpu.json and stop")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script itself on tiny shapes")
