@@ -167,8 +167,8 @@ class Mamba2Mixer(Mixer):
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, updating the state in place (the recurrence of `ssd_naive` with T = 1):
-        everything between in_proj and out_proj is one op (`ops/step`), one compiled call
-        when the kernels are built."""
+        everything between in_proj and out_proj is one op (`ops/step`): one compiled call
+        when the kernels are built, one Triton kernel on a GPU."""
         g = mamba2_step(
             self.in_proj(x), state["conv"], state["ssm"], self.conv_weight, self.conv_bias, self.dt_bias, self.A_log,
             self.D, self.norm_weight, self.n_groups, _NORM_EPS, backend=self.config.scan_backend,

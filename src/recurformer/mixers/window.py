@@ -162,9 +162,10 @@ class WindowMixer(Mixer):
 
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, written into its ring slot in place, then attending over the buffer:
-        one compiled call when the kernels are built (`ops/window_step`); else PyTorch,
-        each KV group's query heads as that group's queries (`[B, G, H / G, D]`), so no key
-        or value is repeated per head."""
+        one compiled call when the kernels are built (`ops/window_step`); else the
+        projections and RoPE here and `ops/window/ring_step` (Triton on a GPU, PyTorch
+        elsewhere), each KV group's query heads as that group's queries, so no key or value
+        is repeated per head."""
         kernel = compiled_step(self, x)
         if kernel is not None:
             return kernel(x, *rotary(position_embeddings), state)
