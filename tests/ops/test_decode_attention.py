@@ -2,14 +2,10 @@
 Triton's interpreter where Triton is installed (a subprocess: the interpreter is chosen when
 the kernel is defined), on a GPU in fp32 and bf16 (tests/test_device.py, marked cuda)."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
 import torch
+from triton_interpreter import needs_triton, worst_error
 
 from recurformer.ops.decode_attention import decode_attention
 
@@ -33,12 +29,9 @@ CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 def test_the_split_kernel_matches_sdpa_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) <= 1e-5
+    assert worst_error(CHECK) <= 1e-5
 
 
 def test_off_the_gpu_it_is_sdpa():

@@ -3,14 +3,10 @@ Triton step against the PyTorch one in fp32 through Triton's interpreter where T
 installed (a subprocess: the interpreter is chosen when the kernel is defined), and the
 PyTorch step's slot rule."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
 import torch
+from triton_interpreter import needs_triton, worst_error
 
 from recurformer.ops.window.ring_step import ring_slot
 
@@ -40,12 +36,9 @@ CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 def test_the_triton_step_matches_the_pytorch_step_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) <= 1e-5
+    assert worst_error(CHECK) <= 1e-5
 
 
 def test_tokens_fill_the_sinks_then_go_round_the_window():

@@ -85,6 +85,27 @@ def split_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
 if triton is not None:
 
     @triton.jit
+    def attend_block(query, key, value, seen, scale, best, total, acc, IEEE: tl.constexpr):
+        """One block of keys in an online softmax: `query` `[Q, D]`, `key` and `value` `[N, D]`,
+        `seen` `[N]` (False: masked); the running max `best` and sum `total` `[Q]` and the
+        unnormalized output `acc` `[Q, D]` (fp32) -> their updated values. fp32 inputs take
+        full-precision products (`IEEE`; Triton's default for fp32 is TF32)."""
+        if IEEE:
+            scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale  # [Q, N]
+        else:
+            scores = tl.dot(query, tl.trans(key)).to(tl.float32) * scale
+        scores = tl.where(seen[None, :], scores, -1e30)
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        weights = tl.where(seen[None, :], tl.exp(scores - new_best[:, None]), 0.0)
+        rescale = tl.exp(best - new_best)
+        total = total * rescale + tl.sum(weights, axis=1)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(weights, value, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(value.dtype), value).to(tl.float32)
+        return new_best, total, acc
+
+    @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, seen_ptr, out_ptr, lse_ptr,
                       groups, queries, length, dim, span, scale,
                       sqb, sqg, sqq, sqd, skb, skg, skc, skd, svb, svg, svc, svd, smb, smg, smc,
@@ -108,20 +129,7 @@ if triton is not None:
             kv_mask = inside[:, None] & (idim[None, :] < dim)
             key = tl.load(k_ptr + b * skb + g * skg + keys[:, None] * skc + idim[None, :] * skd, mask=kv_mask, other=0.0)
             value = tl.load(v_ptr + b * svb + g * svg + keys[:, None] * svc + idim[None, :] * svd, mask=kv_mask, other=0.0)
-            if IEEE:  # fp32 inputs: full-precision products (Triton's default for fp32 is TF32)
-                scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale  # [BLOCK_Q, BLOCK_N]
-            else:
-                scores = tl.dot(query, tl.trans(key)).to(tl.float32) * scale
-            scores = tl.where(seen[None, :], scores, -1e30)
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            weights = tl.where(seen[None, :], tl.exp(scores - new_best[:, None]), 0.0)
-            rescale = tl.exp(best - new_best)
-            total = total * rescale + tl.sum(weights, axis=1)
-            if IEEE:
-                acc = acc * rescale[:, None] + tl.dot(weights, value, input_precision="ieee")
-            else:
-                acc = acc * rescale[:, None] + tl.dot(weights.to(value.dtype), value).to(tl.float32)
-            best = new_best
+            best, total, acc = attend_block(query, key, value, seen, scale, best, total, acc, IEEE)
         found = total > 0
         out = tl.where(found[:, None], acc / tl.where(found, total, 1.0)[:, None], 0.0)
         base = (row_group * tl.num_programs(1) + split) * queries

@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:  # the GPU path only
-    import triton
+from ..decode_attention import triton  # None where Triton is missing
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
+
+    from ..decode_attention import attend_block  # the online softmax over one block of keys
 
 _failed: list[str] = []  # why the Triton step could not run, once it failed
 
@@ -129,20 +130,7 @@ if triton is not None:
             offsets = ((b * slots + js[:, None]) * groups + g) * dim + idim[None, :]
             key = tl.load(keys_ptr + offsets, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
             value = tl.load(values_ptr + offsets, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
-            if IEEE:
-                scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(query, tl.trans(key)).to(tl.float32) * scale
-            scores = tl.where(seen[None, :], scores, -1e30)
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            weights = tl.where(seen[None, :], tl.exp(scores - new_best[:, None]), 0.0)
-            rescale = tl.exp(best - new_best)
-            total = total * rescale + tl.sum(weights, axis=1)
-            if IEEE:
-                acc = acc * rescale[:, None] + tl.dot(weights, value, input_precision="ieee")
-            else:
-                acc = acc * rescale[:, None] + tl.dot(weights.to(value.dtype), value).to(tl.float32)
-            best = new_best
+            best, total, acc = attend_block(query, key, value, seen, scale, best, total, acc, IEEE)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + (b * heads + g * queries + iq[:, None]) * dim + idim[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
