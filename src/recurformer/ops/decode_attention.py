@@ -14,44 +14,37 @@ once for all the query heads of its group. Two launches in all: the splits, then
         -> `[B, G, Q, D]` in q's dtype
 
 On a CUDA tensor with Triton present: the split kernel (its first call compiles it; a
-kernel that fails to build falls back to SDPA with a one-line notice); anywhere else:
+kernel that fails falls back to SDPA with a one-line notice, `ops/triton_kernels.py`); anywhere else:
 SDPA, which is what the kernel is checked against.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:  # the GPU path only; the CPU never needs it (its tests run Triton's interpreter)
-    import triton
+from .triton_kernels import run, takes, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
 
 BLOCK_KEYS = 64  # keys a program loads at once
-_state = {"failed": None}  # the reason the kernel could not be used, once it failed
+KERNEL = "split decode attention"
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
     """See the module docstring."""
-    if use_kernel(q):
-        try:
-            return split_decode_attention(q, k, v, visible, scale)
-        except Exception as error:  # noqa: BLE001 - a kernel that does not build must not stop decoding
-            _state["failed"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-            print(f"recurformer: the split decode attention kernel failed ({_state['failed']}); using SDPA",
-                  file=sys.stderr)
+    if q.shape[2] <= 64 and takes(KERNEL, q, k, v):
+        return run(KERNEL, split_decode_attention, sdpa_decode_attention, q, k, v, visible, scale)
+    return sdpa_decode_attention(q, k, v, visible, scale)
+
+
+def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """The same through SDPA: the path off the GPU, and the kernel's oracle."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-
-
-def use_kernel(q: Tensor) -> bool:
-    """Whether `decode_attention` takes the Triton kernel for `q`."""
-    return triton is not None and q.device.type == "cuda" and _state["failed"] is None and q.shape[2] <= 64
 
 
 def split_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,

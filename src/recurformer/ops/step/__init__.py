@@ -3,22 +3,19 @@ one token), with one signature per mixer and three backends: `naive` (PyTorch, t
 runs anywhere), `compiled` (one C++ call, CPU) and, for mamba2, `triton` (one Triton kernel,
 GPU: `step/triton.py`). `auto` picks `compiled` when the kernels are built and the tensors
 suit them (CPU, fp32 / bf16, fp32 SSM state), the Triton step for CUDA tensors in inference
-when Triton imports (`cuda` asks for it too), else the PyTorch step.
+when Triton imports (`cuda` asks for it too; `ops/triton_kernels.py`), else the PyTorch step.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 from torch import Tensor
 
 from ..backends import pick_backend
+from ..triton_kernels import run, takes
 from .compiled import mamba2_step_compiled, mamba_step_compiled
 from .naive import mamba2_step_naive, mamba_step_naive
-from .triton import mamba2_step_triton, triton
-
-_triton_failed: list[str] = []  # why the Triton step could not run, once it failed
+from .triton import mamba2_step_triton
 
 
 def _compiled(backend: str, activations: Tensor, conv_state: Tensor, ssm_state: Tensor, *weights) -> bool:
@@ -63,23 +60,11 @@ def mamba2_step(
     """One mamba2 decode step, shapes as in `mamba2_step_naive`; `backend` as the mixer's
     `scan_backend`."""
     tensors = (zxbcdt, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)
-    if _takes_triton(backend, zxbcdt, conv_state, ssm_state, *tensors[3:]):
-        try:
-            return mamba2_step_triton(*tensors, groups, eps)
-        except Exception as error:  # noqa: BLE001 - a kernel that does not build must not stop decoding
-            _triton_failed.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
-            print(f"recurformer: the Triton mamba2 step failed ({_triton_failed[0]}); using PyTorch", file=sys.stderr)
+    if (backend in ("auto", "cuda") and ssm_state.dtype == torch.float32 and conv_state.is_contiguous()
+            and ssm_state.is_contiguous() and takes("mamba2 step", *tensors)):
+        return run("mamba2 step", mamba2_step_triton, mamba2_step_naive, *tensors, groups, eps)
     step = mamba2_step_compiled if _compiled(backend, *tensors) else mamba2_step_naive
     return step(*tensors, groups, eps)
-
-
-def _takes_triton(backend: str, activations: Tensor, conv_state: Tensor, ssm_state: Tensor, *weights) -> bool:
-    """Whether the Triton step runs: CUDA tensors, Triton present and not failed, no
-    gradients to record, contiguous states (the SSM state fp32), backend auto or cuda."""
-    return (backend in ("auto", "cuda") and triton is not None and not _triton_failed and activations.is_cuda
-            and ssm_state.dtype == torch.float32 and conv_state.is_contiguous() and ssm_state.is_contiguous()
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                    for t in (activations, conv_state, ssm_state, *weights))))
 
 
 __all__ = [

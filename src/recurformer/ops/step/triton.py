@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:  # the GPU path only
-    import triton
+from ..triton_kernels import triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None
 
 
 def mamba2_step_triton(
@@ -59,19 +58,17 @@ if triton is not None:
         return x.to(like.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _conv_silu(in_ptr, state_ptr, weight_ptr, bias_ptr, channel, mask, channels,
-                   HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr):
+    def _conv_silu(in_ptr, state_ptr, weight_ptr, bias_ptr, channel, mask, HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr):
         """The conv's step for `channel` (a block of channel indices): shift the state by the
         new input, the weighted sum, bias, rounded, SiLU, rounded. The state is updated."""
         new = tl.load(in_ptr + channel, mask=mask, other=0.0).to(tl.float32)
         total = tl.zeros(channel.shape, tl.float32)
         for k in tl.static_range(WIDTH):
-            if k < WIDTH - 1:
+            if k < WIDTH - 1:  # the state shifts by one tap; the new input comes last
                 tap = tl.load(state_ptr + channel * WIDTH + k + 1, mask=mask, other=0.0).to(tl.float32)
-                tl.store(state_ptr + channel * WIDTH + k, tap.to(state_ptr.dtype.element_ty), mask=mask)
             else:
                 tap = _round(new, state_ptr)
-                tl.store(state_ptr + channel * WIDTH + k, tap.to(state_ptr.dtype.element_ty), mask=mask)
+            tl.store(state_ptr + channel * WIDTH + k, tap.to(state_ptr.dtype.element_ty), mask=mask)
             total += tap * tl.load(weight_ptr + channel * WIDTH + k, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             total += tl.load(bias_ptr + channel, mask=mask, other=0.0).to(tl.float32)
@@ -91,13 +88,13 @@ if triton is not None:
         conv = conv_ptr + b * channels * WIDTH
         ip, jn = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
         p_mask, n_mask = ip < head_dim, jn < n_state
-        x = _conv_silu(xbc_in, conv, conv_w_ptr, conv_b_ptr, g * head_dim + ip, p_mask, channels, HAS_BIAS, WIDTH)
+        x = _conv_silu(xbc_in, conv, conv_w_ptr, conv_b_ptr, g * head_dim + ip, p_mask, HAS_BIAS, WIDTH)
         b_channel = groups * head_dim + g * n_state + jn
-        B = _conv_silu(xbc_in, conv, conv_w_ptr, conv_b_ptr, b_channel, n_mask, channels, HAS_BIAS, WIDTH)
+        B = _conv_silu(xbc_in, conv, conv_w_ptr, conv_b_ptr, b_channel, n_mask, HAS_BIAS, WIDTH)
         for i in tl.range(0, per_group):
             h = g * per_group + i
             c_channel = groups * head_dim + groups * n_state + h * n_state + jn
-            C = _conv_silu(xbc_in, conv, conv_w_ptr, conv_b_ptr, c_channel, n_mask, channels, HAS_BIAS, WIDTH)
+            C = _conv_silu(xbc_in, conv, conv_w_ptr, conv_b_ptr, c_channel, n_mask, HAS_BIAS, WIDTH)
             dt = tl.load(xbc_in + channels + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
             dt = _round(dt, in_ptr)
             dt = _round(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), in_ptr)

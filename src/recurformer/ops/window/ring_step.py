@@ -17,34 +17,27 @@ Triton kernel that fails to build falls back to PyTorch with a one-line notice.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..decode_attention import triton  # None where Triton is missing
+from ..triton_kernels import run, takes, triton
 
 if triton is not None:
     import triton.language as tl
 
     from ..decode_attention import attend_block  # the online softmax over one block of keys
 
-_failed: list[str] = []  # why the Triton step could not run, once it failed
+KERNEL = "window step"
 
 
 def ring_step(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, index: Tensor, window: int, sinks: int,
               scale: float) -> Tensor:
-    """See the module docstring: Triton for CUDA tensors in inference, else PyTorch."""
-    tensors = (q, k, v, keys, values)
-    if (triton is not None and not _failed and q.is_cuda and keys.is_contiguous() and values.is_contiguous()
-            and index.is_contiguous() and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
-        try:
-            return ring_step_triton(q, k, v, keys, values, index, window, sinks, scale)
-        except Exception as error:  # noqa: BLE001 - a kernel that does not build must not stop decoding
-            _failed.append(f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}")
-            print(f"recurformer: the Triton window step failed ({_failed[0]}); using PyTorch", file=sys.stderr)
-    return ring_step_torch(q, k, v, keys, values, index, window, sinks, scale)
+    """See the module docstring: Triton for CUDA tensors in inference (contiguous buffers), else PyTorch."""
+    args = (q, k, v, keys, values, index, window, sinks, scale)
+    if keys.is_contiguous() and values.is_contiguous() and index.is_contiguous() and takes(KERNEL, q, k, v, keys, values):
+        return run(KERNEL, ring_step_triton, ring_step_torch, *args)
+    return ring_step_torch(*args)
 
 
 def ring_slot(position: Tensor, window: int, sinks: int) -> Tensor:
