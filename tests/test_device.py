@@ -335,6 +335,22 @@ def test_the_benchmarks_split_attention_decodes_as_sdpa(device):
     assert relative(runs[1], runs[0]) <= BOUND[torch.float32]
 
 
+@pytest.mark.parametrize("argv, message", [(["--models", "llama-9b"], "unknown model shape 'llama-9b'"),
+                                           (["--modes", "graphs,grpahs"], "unknown decode mode 'grpahs'"),
+                                           (["--render", "missing.json"], "--render missing.json: no such file")])
+def test_the_gpu_benchmark_refuses_bad_arguments_in_one_line(tmp_path, monkeypatch, argv, message):
+    """Before it builds anything or writes any file."""
+    import sys
+
+    from benchmarks.speed import gpu
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--out", str(tmp_path / "out"), *argv])
+    with pytest.raises(SystemExit, match=message):
+        gpu.main()
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_graphed_decode_equals_the_dynamic_decode(device, arch, mixer):
     """`DecodeGraph` (static cache; on a GPU a captured CUDA graph from its second step on)

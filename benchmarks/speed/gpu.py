@@ -497,6 +497,9 @@ def main() -> None:
     unknown = [m for m in args.models if m not in SHAPES]
     if unknown:
         raise SystemExit(f"gpu.py: unknown model shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+    unknown = [m for m in args.modes if m not in ORIGINAL_MODES]
+    if unknown:
+        raise SystemExit(f"gpu.py: unknown decode mode {unknown[0]!r}; choose from {', '.join(ORIGINAL_MODES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu.py: needs a CUDA GPU (torch sees none)")
     args.out.mkdir(parents=True, exist_ok=True)
