@@ -10,7 +10,8 @@ a masked "attention" with a decay mask. Time is cut into chunks of l steps; per 
    where `L[i, j] = exp(segment sum of a over (j, i])` is the decay mask;
 2. chunk state from a zero start: `S_c = sum_j L[l-1, j] dt_j x_j B_j^T`;
 3. state passing: `H_{c+1} = exp(sum of a over chunk c) H_c + S_c`, the only sequential
-   part (one small op per chunk);
+   part, solved by the same decay-mask matmul over chunks (`linear_recurrence`: in blocks
+   of chunks, a few ops per level, never one op per chunk);
 4. inter-chunk: `y_i += exp(a_1 + ... + a_i) C_i . H_c`.
 
 Stability: every exponent is a sum of `a_k <= 0`, so every factor is in (0, 1] and
@@ -34,6 +35,43 @@ from .naive import per_head
 
 _EXP_FLOOR = -40.0
 DEFAULT_CHUNK = 64
+RECURRENCE_BLOCK = 32
+
+
+def decay_mask(exponents: Tensor) -> Tensor:
+    """exponents `[..., n]` (each <= 0) -> `[..., n, n]`: `exp(exponents[j+1] + ... +
+    exponents[i])` for i >= j (1 on the diagonal), 0 above it; each sum taken over its own
+    segment (stable for any decays), floored at `_EXP_FLOOR`."""
+    n = exponents.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=exponents.device).tril()
+    segments = (exponents[..., :, None] * causal.tril(-1)).cumsum(dim=-2)
+    return torch.exp(segments.clamp_min(_EXP_FLOOR)) * causal
+
+
+def linear_recurrence(exponents: Tensor, inputs: Tensor, block: int = RECURRENCE_BLOCK) -> Tensor:
+    """Every h_i of h_0 = inputs_0, h_i = exp(exponents_i) h_{i-1} + inputs_i, with no loop over i.
+
+    Args:
+        exponents `[B, H, n]` (<= 0; the first is not used), inputs `[B, H, n, F]`.
+        block: at most this many steps are solved as one masked matmul (`decay_mask`); a longer
+            sequence is cut into blocks, each solved from zero, and the blocks' ends are
+            passed on by the same recurrence one level up (log_block(n) levels).
+
+    Returns:
+        h `[B, H, n, F]`.
+    """
+    n = exponents.shape[-1]
+    if n <= block:
+        return decay_mask(exponents) @ inputs
+    blocks = -(-n // block)
+    pad = blocks * block - n  # zero steps at the end change nothing before them
+    exponents = F.pad(exponents, (0, pad)).unflatten(-1, (blocks, block))  # [B, H, m, b]
+    inputs = F.pad(inputs, (0, 0, 0, pad)).unflatten(2, (blocks, block))  # [B, H, m, b, F]
+    local = decay_mask(exponents) @ inputs  # each block from a zero start
+    ends = linear_recurrence(exponents.sum(dim=-1), local[:, :, :, -1], block)  # h at each block's end
+    before = F.pad(ends[:, :, :-1], (0, 0, 1, 0))  # h entering each block, [B, H, m, F]
+    carried = torch.exp(exponents.cumsum(dim=-1).clamp_min(_EXP_FLOOR))[..., None] * before[:, :, :, None]
+    return (local + carried).flatten(2, 3)[:, :, :n]
 
 
 def ssd_chunked(
@@ -84,22 +122,18 @@ def ssd_chunked(
     u = chunked(x32 * dt[..., None])  # [B, H, c, l, P]
     B_c, C_c = chunked(B), chunked(C)  # [B, H, c, l, N]
 
-    # seg[i, j] = a_{j+1} + ... + a_i for i >= j, summed over the segment itself.
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    strict = causal.tril(-1)
-    seg = (a[..., :, None] * strict).cumsum(dim=-2)  # [B, H, c, l, l]
-    mask = torch.exp(seg.clamp_min(_EXP_FLOOR)) * causal
+    mask = decay_mask(a)  # [B, H, c, l, l]: exp(a_{j+1} + ... + a_i) for i >= j
 
     y = (C_c @ B_c.transpose(-1, -2) * mask) @ u  # intra-chunk, [B, H, c, l, P]
     to_end = mask[..., -1, :, None]  # decay from step j to the chunk's end, [B, H, c, l, 1]
     chunk_states = (u * to_end).transpose(-1, -2) @ B_c  # from a zero start, [B, H, c, P, N]
-    chunk_decay = torch.exp(a.sum(dim=-1).clamp_min(_EXP_FLOOR))  # [B, H, c]
 
-    starts = []
-    for c in range(chunks):
-        starts.append(state)
-        state = chunk_decay[:, :, c, None, None] * state + chunk_states[:, :, c]
-    starts = torch.stack(starts, dim=2)  # the state entering each chunk, [B, H, c, P, N]
+    # The state entering each chunk, [B, H, c, P, N], and the final one: H_0 = the initial
+    # state, H_{c+1} = exp(chunk c's exponent sum) H_c + S_c.
+    exponents = F.pad(a.sum(dim=-1), (1, 0))  # [B, H, 1 + c]: the first is never used
+    inputs = torch.cat([state[:, :, None], chunk_states], dim=2)  # [B, H, 1 + c, P, N]
+    entering = linear_recurrence(exponents, inputs.flatten(3)).unflatten(3, (head_dim, n_state))
+    starts, state = entering[:, :, :-1], entering[:, :, -1]
     from_start = torch.exp(a.cumsum(dim=-1).clamp_min(_EXP_FLOOR))[..., None]  # [B, H, c, l, 1]
     y = y + (C_c @ starts.transpose(-1, -2)) * from_start  # inter-chunk
 
