@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from recurformer.ops import kernels
-from recurformer.ops.window import blockwise
 from recurformer.ops.window import (
     token_positions,
     visible,
@@ -246,12 +245,31 @@ def test_compiled_threads_and_determinism(compiled):
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
 
 
-@pytest.mark.parametrize("least", [1, 100, 1024], ids=["window-sized", "uneven", "gpu-sized"])
-def test_the_block_size_changes_nothing(monkeypatch, least):
-    """Blocks of at least 1, 100 or 1024 queries (a GPU's size) give the oracle's result,
+@pytest.mark.parametrize("length", [1, 23, 24, 25, 300])
+def test_every_length_against_the_window(length):
+    """Lengths below, at and past one block of `window` queries, and a ragged last block,
     with a ring buffer, sinks and left padding."""
-    monkeypatch.setitem(blockwise.MIN_BLOCK, "cpu", least)
-    mask = torch.ones(2, 300, dtype=torch.long)
-    mask[1, :77] = 0
-    assert_same(window_attention_blockwise, make_inputs(300, seed=7), 24, 3, mask=mask,
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :length // 4] = 0
+    assert_same(window_attention_blockwise, make_inputs(length, seed=7), 24, 3, mask=mask,
                 past=ring_buffer([40, 5], 24, 3))
+
+
+def test_the_operations_do_not_grow_with_the_length():
+    """One SDPA call for all blocks: on a GPU every operation is a kernel launch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def calls(length):
+        Count.calls = 0
+        with Count():
+            window_attention_blockwise(*make_inputs(length, seed=1), 8, 2)
+        return Count.calls
+
+    assert calls(2048) == calls(64)

@@ -2,7 +2,7 @@
 point, several backends with one signature.
 
 Backends (`ops/backends.py`): `naive` (one masked softmax over every key in fp32, the
-oracle), `torch` (SDPA in blocks of `window` queries, autograd), `compiled` (our C++ kernel
+oracle), `torch` (blocks of `window` queries in one SDPA call, autograd), `compiled` (our C++ kernel
 with a hand-written backward pass, CPU, built on first use: `ops/kernels.py`), `cuda` (the
 `torch` blocks, whose SDPA runs the GPU's attention kernels). `auto` picks `cuda` for GPU
 tensors, else `compiled` when it is built and takes the tensors (CPU, fp32 or bf16), else

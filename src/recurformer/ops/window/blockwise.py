@@ -1,12 +1,13 @@
-"""Windowed attention in PyTorch, block by block: the `torch` backend.
+"""Windowed attention in PyTorch, all blocks in one SDPA call: the `torch` backend.
 
-Queries go in blocks of `window` steps (at least 64 on the CPU: fewer, larger ops for short
-windows; at least 1024 on a GPU, where a block costs its launches more than its arithmetic).
-A query at step t of a row whose real tokens are consecutive sees, among the call's
-tokens, only steps (t - window, t] and the row's first `sinks` real tokens, so a block of
-queries [t0, t1) needs the past, those sink tokens and steps [t0 - window + 1, t1): SDPA
-over at most `S + sinks + window + block - 1` keys, never the `[T, T]` score matrix. Rows
-whose padding is not all on the left are first reordered (padding first, real tokens in
+Queries are cut into blocks of `block = window` steps. A query at step t of a row whose real
+tokens are consecutive sees, among the call's tokens, only steps (t - window, t] and the
+row's first `sinks` real tokens, so a block of queries [t0, t0 + block) needs only its own
+steps, the block before it, the past and those sink tokens: each block's keys are laid out
+as `[past and sinks, block before, own block]`, and one SDPA call over a batch of blocks
+attends every query to at most `S + sinks + 2 block` keys, never the `[T, T]` score matrix.
+The number of operations does not grow with the length (on a GPU each is a kernel launch).
+Rows whose padding is not all on the left are first reordered (padding first, real tokens in
 order), which changes no position, and put back after.
 Autograd gives the backward pass; the arithmetic is SDPA's, in the inputs' dtype.
 """
@@ -19,8 +20,6 @@ from torch import Tensor
 
 from .naive import Past, token_positions, visible
 
-MIN_BLOCK = {"cpu": 64, "cuda": 1024}  # queries a block holds at least, by device type
-
 
 def window_attention_blockwise(
     q: Tensor,
@@ -32,9 +31,11 @@ def window_attention_blockwise(
     mask: Tensor | None = None,
     past: Past | None = None,
 ) -> Tensor:
-    """Windowed attention in blocks of `max(window, MIN_BLOCK)` queries; signature and results as
-    `window_attention_naive` (q `[B, T, H, D]`, k and v `[B, T, G, D]` -> `[B, T, H, D]`)."""
+    """Windowed attention in blocks of `window` queries, one SDPA call for all; signature and
+    results as `window_attention_naive` (q `[B, T, H, D]`, k and v `[B, T, G, D]` -> `[B, T, H, D]`)."""
     batch, length, heads, dim = q.shape
+    if length == 0:
+        return q.new_zeros(q.shape)
     scale = dim**-0.5 if scale is None else scale
     order = None
     if mask is not None and not bool((mask[:, 1:].bool() >= mask[:, :-1].bool()).all()):
@@ -42,33 +43,41 @@ def window_attention_blockwise(
         q, k, v = (t.gather(1, order[:, :, None, None].expand_as(t)) for t in (q, k, v))
         mask = mask.gather(1, order)
     position = token_positions(mask, None if past is None else past[2], batch, length, q.device)
+    block = window
+    blocks = -(-length // block)
+    tail = blocks * block - length  # steps added at the end: padding queries, dropped after
+
+    def banded(t: Tensor, fill: float = 0.0) -> Tensor:
+        """`[B, T, ...]` -> `[B, blocks, 2 block, ...]`: each block's steps after the block before it."""
+        t = F.pad(t.movedim(1, -1), (block, tail), value=fill).movedim(-1, 1).unflatten(1, (blocks + 1, block))
+        return torch.cat([t[:, :-1], t[:, 1:]], dim=2)
+
+    keys, values = banded(k.to(q.dtype)), banded(v.to(q.dtype))  # [B, n, 2b, G, D]
+    key_position = banded(position, -1)  # [B, n, 2b]
+    query_position = F.pad(position, (0, tail), value=-1).unflatten(1, (blocks, block))  # [B, n, b]
     fixed = _fixed_keys(k, v, position, sinks, past)  # the past and the call's sink tokens
-    outputs = []
-    block = max(window, MIN_BLOCK.get(q.device.type, MIN_BLOCK["cpu"]))
-    for start in range(0, length, block):
-        end, first = min(length, start + block), max(0, start - window + 1)
-        keys, values, key_position = [k[:, first:end]], [v[:, first:end]], [position[:, first:end]]
-        if fixed is not None:
-            fixed_keys, fixed_values, fixed_position, fixed_step = fixed
-            keys.insert(0, fixed_keys), values.insert(0, fixed_values)
-            key_position.insert(0, fixed_position.masked_fill(fixed_step >= first, -1))  # else there twice
-        key_position = torch.cat(key_position, dim=1)  # [B, K]
-        query_position = position[:, start:end]
-        padding = query_position < 0
-        allowed = visible(query_position[:, :, None], key_position[:, None, :], window, sinks)  # [B, L, K]
-        # A padding query sees only its own key, so that its (zeroed) output stays finite.
-        own = torch.zeros(end - start, key_position.shape[1], dtype=torch.bool, device=q.device)
-        offset = key_position.shape[1] - (end - first) + (start - first)
-        own[:, offset:offset + end - start] = torch.eye(end - start, dtype=torch.bool, device=q.device)
-        allowed = allowed | (own & padding[:, :, None])
-        out = F.scaled_dot_product_attention(
-            q[:, start:end].transpose(1, 2),
-            torch.cat(keys, dim=1).to(q.dtype).transpose(1, 2),  # [B, G, K, D]
-            torch.cat(values, dim=1).to(q.dtype).transpose(1, 2),
-            attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
-        )
-        outputs.append(out.transpose(1, 2).masked_fill(padding[:, :, None, None], 0.0))
-    out = torch.cat(outputs, dim=1) if outputs else q.new_zeros(q.shape)
+    if fixed is not None:
+        fixed_keys, fixed_values, fixed_position, fixed_step = fixed
+        first = ((torch.arange(blocks, device=q.device) - 1) * block).clamp(min=0)  # each block's first key step
+        fixed_position = fixed_position[:, None].masked_fill(fixed_step[:, None] >= first[:, None], -1)  # else twice
+        widen = lambda t: t.to(q.dtype)[:, None].expand(-1, blocks, *t.shape[1:])  # noqa: E731
+        keys, values = torch.cat([widen(fixed_keys), keys], dim=2), torch.cat([widen(fixed_values), values], dim=2)
+        key_position = torch.cat([fixed_position, key_position], dim=2)
+    padding = query_position < 0  # [B, n, b]
+    allowed = visible(query_position[..., None], key_position[:, :, None], window, sinks)  # [B, n, b, K]
+    # A padding query sees only its own key, so that its (zeroed) output stays finite.
+    own = torch.zeros(block, key_position.shape[-1], dtype=torch.bool, device=q.device)
+    own[:, -block:] = torch.eye(block, dtype=torch.bool, device=q.device)
+    allowed = allowed | (own & padding[..., None])
+    queries = F.pad(q, (0, 0, 0, 0, 0, tail)).unflatten(1, (blocks, block))  # [B, n, b, H, D]
+    out = F.scaled_dot_product_attention(
+        queries.flatten(0, 1).transpose(1, 2),  # [B n, H, b, D]
+        keys.flatten(0, 1).transpose(1, 2),  # [B n, G, K, D]
+        values.flatten(0, 1).transpose(1, 2),
+        attn_mask=allowed.flatten(0, 1)[:, None], scale=scale, enable_gqa=True,
+    )
+    out = out.transpose(1, 2).unflatten(0, (batch, blocks)).masked_fill(padding[..., None, None], 0.0)
+    out = out.flatten(1, 2)[:, :length]
     if order is not None:
         out = torch.empty_like(out).scatter(1, order[:, :, None, None].expand_as(out), out)
     return out
