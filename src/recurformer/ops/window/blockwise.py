@@ -47,22 +47,23 @@ def window_attention_blockwise(
     blocks = -(-length // block)
     tail = blocks * block - length  # steps added at the end: padding queries, dropped after
 
-    def banded(t: Tensor, fill: float = 0.0) -> Tensor:
-        """`[B, T, ...]` -> `[B, blocks, 2 block, ...]`: each block's steps after the block before it."""
-        t = F.pad(t.movedim(1, -1), (block, tail), value=fill).movedim(-1, 1).unflatten(1, (blocks + 1, block))
-        return torch.cat([t[:, :-1], t[:, 1:]], dim=2)
+    def banded(t: Tensor, fill: float = 0.0) -> tuple[Tensor, Tensor]:
+        """`[B, T, ...]` -> the block before each block and the block itself, each `[B, blocks, block, ...]`."""
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (block, tail), value=fill).unflatten(1, (blocks + 1, block))
+        return t[:, :-1], t[:, 1:]
 
-    keys, values = banded(k.to(q.dtype)), banded(v.to(q.dtype))  # [B, n, 2b, G, D]
-    key_position = banded(position, -1)  # [B, n, 2b]
-    query_position = F.pad(position, (0, tail), value=-1).unflatten(1, (blocks, block))  # [B, n, b]
+    keys, values, key_position = banded(k.to(q.dtype)), banded(v.to(q.dtype)), banded(position, -1)
+    query_position = key_position[1]  # [B, n, b]
     fixed = _fixed_keys(k, v, position, sinks, past)  # the past and the call's sink tokens
     if fixed is not None:
         fixed_keys, fixed_values, fixed_position, fixed_step = fixed
         first = ((torch.arange(blocks, device=q.device) - 1) * block).clamp(min=0)  # each block's first key step
         fixed_position = fixed_position[:, None].masked_fill(fixed_step[:, None] >= first[:, None], -1)  # else twice
         widen = lambda t: t.to(q.dtype)[:, None].expand(-1, blocks, *t.shape[1:])  # noqa: E731
-        keys, values = torch.cat([widen(fixed_keys), keys], dim=2), torch.cat([widen(fixed_values), values], dim=2)
-        key_position = torch.cat([fixed_position, key_position], dim=2)
+        keys, values = (widen(fixed_keys), *keys), (widen(fixed_values), *values)
+        key_position = (fixed_position, *key_position)
+    # Each block's keys: [past and sinks,] the block before, its own: [B, n, K, ...]
+    keys, values, key_position = (torch.cat(parts, dim=2) for parts in (keys, values, key_position))
     padding = query_position < 0  # [B, n, b]
     allowed = visible(query_position[..., None], key_position[:, :, None], window, sinks)  # [B, n, b, K]
     # A padding query sees only its own key, so that its (zeroed) output stays finite.
