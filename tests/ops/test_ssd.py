@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from scan_checks import assert_matches, assert_scan_matches, run_with_grads
 
-from recurformer.ops.ssd.chunked import linear_recurrence
 from recurformer.ops.ssd import (
     cuda_available,
     ssd,
@@ -15,6 +14,7 @@ from recurformer.ops.ssd import (
     ssd_cuda,
     ssd_naive,
 )
+from recurformer.ops.ssd.chunked import linear_recurrence
 
 
 def make_inputs(length, heads=4, head_dim=8, n_state=6, *, groups=2, batch=2, extras=True, seed=0,

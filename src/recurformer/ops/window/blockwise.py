@@ -33,7 +33,7 @@ def window_attention_blockwise(
 ) -> Tensor:
     """Windowed attention in blocks of `window` queries, one SDPA call for all; signature and
     results as `window_attention_naive` (q `[B, T, H, D]`, k and v `[B, T, G, D]` -> `[B, T, H, D]`)."""
-    batch, length, heads, dim = q.shape
+    batch, length, _, dim = q.shape
     if length == 0:
         return q.new_zeros(q.shape)
     scale = dim**-0.5 if scale is None else scale
@@ -59,8 +59,8 @@ def window_attention_blockwise(
         fixed_keys, fixed_values, fixed_position, fixed_step = fixed
         first = ((torch.arange(blocks, device=q.device) - 1) * block).clamp(min=0)  # each block's first key step
         fixed_position = fixed_position[:, None].masked_fill(fixed_step[:, None] >= first[:, None], -1)  # else twice
-        widen = lambda t: t.to(q.dtype)[:, None].expand(-1, blocks, *t.shape[1:])  # noqa: E731
-        keys, values = (widen(fixed_keys), *keys), (widen(fixed_values), *values)
+        fixed_keys, fixed_values = (t.to(q.dtype)[:, None].expand(-1, blocks, *t.shape[1:]) for t in (fixed_keys, fixed_values))
+        keys, values = (fixed_keys, *keys), (fixed_values, *values)
         key_position = (fixed_position, *key_position)
     # Each block's keys: [past and sinks,] the block before, its own: [B, n, K, ...]
     keys, values, key_position = (torch.cat(parts, dim=2) for parts in (keys, values, key_position))
@@ -89,7 +89,7 @@ def _fixed_keys(k: Tensor, v: Tensor, position: Tensor, sinks: int, past: Past |
     of each row (rows left-padded). Returns keys and values `[B, S + n, G, D]`, positions
     `[B, S + n]` (-1: none) and the step of each in the call `[B, S + n]` (-1 for the past),
     or None when there are none."""
-    batch, length = position.shape
+    length = position.shape[1]
     parts = []
     if past is not None:
         step = torch.full_like(past[2], -1)
