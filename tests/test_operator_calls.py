@@ -1,0 +1,28 @@
+"""benchmarks/speed/operator_calls.py: counts that do not grow with the prefill's length."""
+
+import json
+
+import pytest
+from benchmark_scripts import benchmark_script
+
+
+def test_the_counts_are_written_and_the_prefill_does_not_grow_with_its_length(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECURFORMER_KERNELS", "auto")  # the script sets `torch` itself
+    out = tmp_path / "calls.json"
+    with benchmark_script("speed.operator_calls") as module:
+        module.main(["--lengths", "200,900", "--window", "24", "--out", str(out)])
+    results = json.loads(out.read_text())
+    prefill = results["prefill"]
+    assert set(prefill) == {"200", "900"}
+    assert prefill["200"]["conversion"] == prefill["900"]["conversion"]  # 8 blocks of the window against 38
+    assert prefill["200"]["original"]["calls"] < prefill["200"]["conversion"]["calls"]
+    step = results["decode_step"]
+    assert all(0 < step[m]["not_views"] < step[m]["calls"] for m in ("original", "conversion"))
+    assert "| one static decode step |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "0"], ["--window", "0"]])
+def test_bad_sizes_are_one_line(argv, tmp_path):
+    with benchmark_script("speed.operator_calls") as module, pytest.raises(SystemExit, match="must be positive"):
+        module.main([*argv, "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
