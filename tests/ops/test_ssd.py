@@ -4,6 +4,7 @@ input gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
+from operator_calls import operator_calls
 from scan_checks import assert_matches, assert_scan_matches, run_with_grads
 
 from recurformer.ops.ssd import (
@@ -249,19 +250,8 @@ def test_linear_recurrence_matches_its_loop(length, block):
 def test_the_chunked_scan_does_not_loop_over_chunks():
     """Passing the state from chunk to chunk costs a few operators per level of blocks, not
     a few per chunk: on a GPU each is a kernel launch (a 32K prefill has 512 chunks a layer)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.calls += 1
-            return func(*args, **(kwargs or {}))
-
     def calls(length):
-        Count.calls = 0
-        with Count():
-            ssd_chunked(**make_inputs(length, heads=2, head_dim=2, n_state=2, groups=1, batch=1), chunk_size=1)
-        return Count.calls
+        inputs = make_inputs(length, heads=2, head_dim=2, n_state=2, groups=1, batch=1)
+        return operator_calls(ssd_chunked, **inputs, chunk_size=1)
 
     assert calls(4096) - calls(16) < 100  # 4,080 more chunks; a loop adds several calls for each

@@ -5,6 +5,7 @@ starting ring buffer, and bf16 inputs."""
 
 import pytest
 import torch
+from operator_calls import operator_calls
 
 from recurformer.ops import kernels
 from recurformer.ops.window import (
@@ -257,19 +258,7 @@ def test_every_length_against_the_window(length):
 
 def test_the_operations_do_not_grow_with_the_length():
     """One SDPA call for all blocks: on a GPU every operation is a kernel launch."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.calls += 1
-            return func(*args, **(kwargs or {}))
-
     def calls(length):
-        Count.calls = 0
-        with Count():
-            window_attention_blockwise(*make_inputs(length, seed=1), 8, 2)
-        return Count.calls
+        return operator_calls(window_attention_blockwise, *make_inputs(length, seed=1), 8, 2)
 
     assert calls(2048) == calls(64)
