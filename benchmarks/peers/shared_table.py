@@ -63,7 +63,13 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.25-ablation-joint,conversion@0.25-ablation-retrieval",
                "conversion@0.25-ablation-joint,window@0.25-ablation-joint",
                "conversion@0.25-ablation-joint,kvzip@0.25", "window@0.25-ablation-joint,window@0.25",
-               "kvzip@0.25,original")
+               "kvzip@0.25,original",
+               "conversion@0.5-ablation-retrieval,conversion@0.5",
+               "conversion@0.5-ablation-retrieval,window@0.5-ablation-retrieval",
+               "conversion@0.5-ablation-retrieval,duo@0.5", "conversion@0.5-ablation-retrieval,kvzip@0.5",
+               "window@0.5-ablation-retrieval,window@0.5", "duo-retrieval@0.25,duo@0.25",
+               "conversion@0.25,duo-retrieval@0.25", "compose-tova@0.25,conversion@0.25",
+               "compose-tova@0.25,compose-kvzip@0.25", "compose-tova@0.25,tova@0.25")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
