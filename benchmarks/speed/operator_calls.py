@@ -26,15 +26,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
+from benchmarks.common import RESULTS
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
+from recurformer.config import ReplacementSpec
 from recurformer.decode_graph import static_step
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.mixers import MixerConfig
 from recurformer.ops import kernels
-from recurformer.config import ReplacementSpec
 from recurformer.surgery import convert
-
-from benchmarks.common import RESULTS
 
 # Calls that only describe a tensor anew (no kernel on a GPU).
 VIEWS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::transpose", "aten::unsqueeze", "aten::squeeze",
@@ -71,28 +70,34 @@ def layer_models(length: int, window: int) -> tuple[LlamaForCausalLM, torch.nn.M
 
 
 @torch.no_grad()
-def count(length: int, window: int, decode_after: int) -> dict:
-    """Calls of a prefill of `length` tokens (both models) and of one static decode step."""
-    original, converted = layer_models(max(length, decode_after), window)
+def prefill_calls(length: int, window: int) -> dict:
+    """Calls of a prefill of `length` tokens, for both models."""
+    original, converted = layer_models(length, window)
     ids = torch.randint(1, 97, (1, length))
     rows = {}
     for name, model, cache in (("original", original, None), ("conversion", converted, HybridCache(1))):
         with Calls() as calls:
             model(ids, use_cache=True, logits_to_keep=1, **({} if cache is None else {CACHE_ARGUMENT: cache}))
-        rows[name] = {"prefill": calls.summary()}
-    step_ids, step_positions = torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), decode_after)
-    static = StaticCache(config=original.config, max_cache_len=decode_after + 8)
-    original(torch.randint(1, 97, (1, decode_after)), use_cache=True, **{CACHE_ARGUMENT: static})
-    hybrid = HybridCache(1)
-    converted(torch.randint(1, 97, (1, decode_after)), **{CACHE_ARGUMENT: hybrid})
-    hybrid.make_static(decode_after + 8, torch.tensor([0]))
-    with Calls() as calls:
-        original(input_ids=step_ids, position_ids=step_positions, use_cache=True, **{CACHE_ARGUMENT: static})
-    rows["original"]["decode_step"] = calls.summary()
-    with Calls() as calls:
-        static_step(converted, step_ids, step_positions, hybrid)
-    rows["conversion"]["decode_step"] = calls.summary()
+        rows[name] = calls.summary()
     return rows
+
+
+@torch.no_grad()
+def decode_step_calls(window: int, after: int = 300) -> dict:
+    """Calls of one static decode step after `after` tokens, for both models (its count does not
+    depend on `after`)."""
+    original, converted = layer_models(after, window)
+    step_ids, step_positions = torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), after)
+    static = StaticCache(config=original.config, max_cache_len=after + 8)
+    original(torch.randint(1, 97, (1, after)), use_cache=True, **{CACHE_ARGUMENT: static})
+    hybrid = HybridCache(1)
+    converted(torch.randint(1, 97, (1, after)), **{CACHE_ARGUMENT: hybrid})
+    hybrid.make_static(after + 8, torch.tensor([0]))
+    with Calls() as original_calls:
+        original(input_ids=step_ids, position_ids=step_positions, use_cache=True, **{CACHE_ARGUMENT: static})
+    with Calls() as converted_calls:
+        static_step(converted, step_ids, step_positions, hybrid)
+    return {"original": original_calls.summary(), "conversion": converted_calls.summary()}
 
 
 def table(results: dict) -> str:
@@ -117,11 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ[kernels.ENV] = "torch"
     kernels.reset()
     torch.set_num_threads(1)
-    results = {"window": args.window, "prefill": {}, "decode_step": None, "torch": torch.__version__}
+    results = {"window": args.window, "prefill": {}, "decode_step": decode_step_calls(args.window),
+               "torch": torch.__version__}
     for length in args.lengths:
-        rows = count(length, args.window, decode_after=300)
-        results["prefill"][str(length)] = {name: row["prefill"] for name, row in rows.items()}
-        results["decode_step"] = {name: row["decode_step"] for name, row in rows.items()}
+        results["prefill"][str(length)] = prefill_calls(length, args.window)
         print(f"{length}: {results['prefill'][str(length)]}", flush=True)
     write_json_atomic(args.out, results)
     text = (f"# Operator calls of one layer\n\n`python -m benchmarks.speed.operator_calls` (PyTorch paths, window "
