@@ -26,3 +26,18 @@ def test_bad_sizes_are_one_line(argv, tmp_path):
     with benchmark_script("speed.operator_calls") as module, pytest.raises(SystemExit, match="must be positive"):
         module.main([*argv, "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECURFORMER_KERNELS", "auto")  # the script sets `torch` itself
+    (tmp_path / "file").write_text("")
+    with benchmark_script("speed.operator_calls") as module, pytest.raises(SystemExit, match="^error: cannot write"):
+        module.main(["--lengths", "64", "--out", str(tmp_path / "file" / "x.json")])
+
+
+def test_a_prefill_shorter_than_the_window_is_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("RECURFORMER_KERNELS", "auto")
+    out = tmp_path / "calls.json"
+    with benchmark_script("speed.operator_calls") as module:
+        module.main(["--lengths", "64", "--out", str(out)])  # the default window, 141
+    assert json.loads(out.read_text())["prefill"]["64"]["conversion"]["calls"] > 0

@@ -30,7 +30,7 @@ from benchmarks.common import RESULTS
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ReplacementSpec
 from recurformer.decode_graph import static_step
-from recurformer.files import write_json_atomic, write_text_atomic
+from recurformer.files import OutputError, write_json_atomic, write_text_atomic
 from recurformer.mixers import MixerConfig
 from recurformer.ops import kernels
 from recurformer.surgery import convert
@@ -62,7 +62,7 @@ def layer_models(length: int, window: int) -> tuple[LlamaForCausalLM, torch.nn.M
     """One-layer original and its conversion (one of two KV groups replaced by window+mamba2)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length + 16)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(length, window) + 16)
     config._attn_implementation = "sdpa"
     original = LlamaForCausalLM(config).eval()
     mixer = MixerConfig(kind="window+mamba2", window=window, sinks=4, ssd_state=8)
@@ -127,11 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     for length in args.lengths:
         results["prefill"][str(length)] = prefill_calls(length, args.window)
         print(f"{length}: {results['prefill'][str(length)]}", flush=True)
-    write_json_atomic(args.out, results)
     text = (f"# Operator calls of one layer\n\n`python -m benchmarks.speed.operator_calls` (PyTorch paths, window "
             f"{args.window} + 4 sinks, beta 0.5 in a one-layer tiny Llama; torch {torch.__version__}).\n\n"
             f"{table(results)}\n")
-    write_text_atomic(args.out.with_suffix(".md"), text)
+    try:
+        write_json_atomic(args.out, results)
+        write_text_atomic(args.out.with_suffix(".md"), text)
+    except OutputError as error:
+        raise SystemExit(f"error: {error}") from None
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 
