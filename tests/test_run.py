@@ -21,6 +21,7 @@ from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
 from recurformer.mixers import MIXERS, MixerConfig, resolve_for_model
 from recurformer.recipe import RECIPES, recipe_for
+from recurformer.retrieval_mix import mix_retrieval
 from recurformer.report import render_run_report
 from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
 from recurformer.surgery import convert
@@ -59,6 +60,9 @@ def texts(tmp_path):
         (dict(retrieval_share=-0.1), ConfigError, r"--retrieval-share must be in \[0, 1\], got -0.1"),
         (dict(retrieval_share=float("nan")), ConfigError, r"--retrieval-share must be in \[0, 1\], got nan"),
         (dict(device="tpu"), ConfigError, "--device: unknown 'tpu'"),
+        (dict(retrieval_share=0.25, answer_weight=0.5), ConfigError, r"--answer-weight must be in \[1, 1000\], got 0.5"),
+        (dict(retrieval_share=0.25, answer_weight=float("inf")), ConfigError, r"--answer-weight must be in \[1, 1000\], got inf"),
+        (dict(answer_weight=8), ConfigError, "--answer-weight weighs the answers of retrieval sequences: it needs --retrieval-share > 0"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -511,6 +515,24 @@ def test_a_retrieval_share_replaces_that_share_of_the_training_sequences_and_non
     assert mixed.shape == expected.shape and len(replaced) == round(0.5 * len(expected))
 
 
+def test_the_answer_weight_weighs_the_positions_that_predict_an_answers_value(tmp_path):
+    """`lm_weights`: None at the default weight; else `answer_weight` exactly where the next
+    token is a value token of an answer (`mix_retrieval`'s mask, shifted by one), 1 elsewhere."""
+    train, held_out = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text("the quick brown fox jumps over the lazy dog . " * 400)
+    held_out.write_text("a recurrent state has a fixed size . " * 50)
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    config = dict(model=model, data=[str(train)], eval_data=[str(held_out)], retrieval_share=0.5)
+    assert Run(RunConfig(**config), tmp_path / "a").lm_weights is None
+    run = Run(RunConfig(**config, answer_weight=8), tmp_path / "b")
+    sequences = token_sequences(run.tokenizer, load_documents([str(train)]), run.recipe.sequence_length, seed=0)
+    _, answers = mix_retrieval(run.tokenizer, sequences, 0.5, 0)
+    weights = run.lm_weights
+    assert weights.shape == sequences.shape and answers.any()
+    assert torch.equal(weights[:, :-1] == 8, answers[:, 1:]) and bool((weights[:, -1] == 1).all())
+    assert set(weights.unique().tolist()) == {1.0, 8.0}
+
+
 def test_a_run_json_without_the_retrieval_share_is_a_run_at_its_default(texts, tmp_path):
     """run.json written before --retrieval-share existed: the same run at the default, another at 0.5."""
     train, held_out = texts
@@ -525,6 +547,7 @@ def test_a_run_json_without_the_retrieval_share_is_a_run_at_its_default(texts, t
 
 @pytest.mark.parametrize("flags, message", [
     (["--quick", "--retrieval-share", "1.5"], r"--retrieval-share must be in \[0, 1\], got 1.5"),
+    (["--quick", "--answer-weight", "4"], r"--answer-weight weighs the answers of retrieval sequences"),
     (["--quick", "--retrieval-share", "0.5"], r"a 96-token training sequence has no room for a fact and its question"),
     (["--retrieval-share", "0.5"], r"seq_len 1024 is longer than the model allows \(512 positions\)"),
 ])

@@ -182,6 +182,35 @@ def test_labels_restrict_the_lm_loss_to_the_labeled_tokens(tmp_path):
     assert log(tmp_path)[0]["loss"] == pytest.approx(answers_only, rel=1e-3)  # fp32 kernels differ slightly
 
 
+def test_weights_weigh_each_position_in_the_lm_loss(tmp_path):
+    """The logged loss of a step is the weighted mean of the per-position losses; a loop that
+    ignored the weights would log the plain mean, far from it (the heavy positions are each
+    row's eight lowest losses)."""
+    _, student, sequences = setup()
+    with torch.no_grad():
+        logits = student(sequences, use_cache=False).logits
+    per_position = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), sequences[:, 1:].flatten(),
+                                                     reduction="none").view(len(sequences), -1)
+    weights = torch.ones(sequences.shape)
+    weights.scatter_(1, per_position.topk(8, dim=1, largest=False).indices, 50.0)
+    expected = (per_position * weights[:, :-1]).sum() / weights[:, :-1].sum()
+    assert per_position.mean().item() - expected.item() > 0.3
+    config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=len(sequences), trainable="all")
+    train(student, LMObjective("all"), sequences, config, tmp_path, progress=False, weights=weights)
+    assert log(tmp_path)[0]["loss"] == pytest.approx(expected.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("stage, weights, message", [
+    ("lm", lambda s: torch.ones(s.shape[0], s.shape[1] - 1), r"weights \(16, 31\) do not match sequences \(16, 32\)"),
+    ("transfer", lambda s: torch.ones(s.shape), "position weights apply to the lm stage's loss only"),
+])
+def test_weights_must_match_the_sequences_and_the_stage(tmp_path, stage, weights, message):
+    _, student, sequences = setup()
+    config = TrainConfig(stage=stage, steps=1, seq_len=SEQ, batch_size=4)
+    with pytest.raises(ConfigError, match=message):
+        train(student, LMObjective(), sequences, config, tmp_path, progress=False, weights=weights(sequences))
+
+
 def test_one_process_can_train_in_two_precisions(tmp_path):
     for i, precision in enumerate(("no", "bf16", "no")):
         _, student, sequences = setup()
@@ -268,6 +297,37 @@ def test_chunked_head_losses_equal_the_plain_ones_and_their_gradients(chunk, ce_
     torch.testing.assert_close(loss, expected.detach())
     torch.testing.assert_close((ce, kl), (ce_ref.detach(), kl_ref.detach() if kl_weight else torch.tensor(0.0)))
     torch.testing.assert_close(got, (hidden.grad, weight.grad))
+
+
+@pytest.mark.parametrize("ce_weight, kl_weight, t", [(1.0, 0.0, 1.0), (0.0, 1.0, 2.0), (0.5, 2.0, 1.5)])
+def test_row_weights_make_weighted_means_and_all_ones_the_plain_ones(ce_weight, kl_weight, t):
+    from recurformer.train.lm import head_losses
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g)
+    teacher_hidden, teacher_weight = torch.randn(23, 16, generator=g), torch.randn(50, 16, generator=g)
+    targets = torch.randint(0, 50, (23,), generator=g)
+    targets[[0, 5, 22]] = -100
+    row_weights = torch.rand(23, generator=g) * 10 + 0.1
+    args = (hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, t)
+    loss, ce, kl = head_losses(*args, chunk=7, row_weights=row_weights)
+    loss.backward()
+    got, hidden.grad = hidden.grad.clone(), None
+    logits = hidden @ weight.T
+    scored = targets >= 0
+    ce_rows = torch.nn.functional.cross_entropy(logits[scored], targets[scored], reduction="none")
+    ce_ref = (ce_rows * row_weights[scored]).sum() / row_weights[scored].sum()
+    kl_rows = torch.nn.functional.kl_div((logits / t).log_softmax(-1), (teacher_hidden @ teacher_weight.T / t).log_softmax(-1),
+                                         log_target=True, reduction="none").sum(-1)
+    kl_ref = (kl_rows * row_weights).sum() / row_weights.sum() * t * t
+    (ce_weight * ce_ref + kl_weight * kl_ref).backward()
+    torch.testing.assert_close((ce, kl), (ce_ref.detach(), kl_ref.detach() if kl_weight else torch.tensor(0.0)))
+    torch.testing.assert_close(got, hidden.grad)
+    hidden.grad = None
+    ones = head_losses(*args, chunk=7, row_weights=torch.ones(23))
+    plain = head_losses(*args, chunk=7)
+    torch.testing.assert_close(ones, plain)
 
 
 def test_kl_only_objective_matches_the_teachers_logits(tmp_path):

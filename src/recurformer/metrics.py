@@ -175,6 +175,8 @@ RUN_METRICS: tuple[Metric, ...] = (
     Metric("recipe", "training recipe (recipe.py)", lambda r: recipe_for(r.config["mixer"], r.config.get("recipe_name")).name),
     Metric("retrieval_share", "share of training sequences with facts and questions",
            lambda r: r.config.get("retrieval_share", 0.0), "{:.0%}"),
+    Metric("answer_weight", "weight of the answers' positions in the lm stage's loss",
+           lambda r: r.config.get("answer_weight", 1.0), "{:g}"),
     _config("seed", "seed"),
     Metric("replaced_groups", "KV groups replaced", lambda r: r.records["convert"]["groups"]),
     Metric("replaced_fraction", "share of KV groups replaced", lambda r: r.records["convert"]["fraction"], "{:.0%}"),

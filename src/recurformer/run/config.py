@@ -20,6 +20,7 @@ from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
 
 MAX_BUDGET_MINUTES = 525_600  # a year: a larger budget is a typo (and inf would overflow the step counts)
+MAX_ANSWER_WEIGHT = 1000  # the answers are ~1% of a retrieval sequence: more would leave the text unweighted
 
 
 def _pair(convert: Callable[[str], Any], what: str, example: str) -> Callable[[str], tuple]:
@@ -75,6 +76,8 @@ class RunConfig:
                                      "docs/training.md)", flag="--recipe", metavar="NAME")
     retrieval_share: float = option(0.0, "the share of training sequences that carry facts and questions "
                                     "(docs/training.md, \"Retrieval in the training data\")")
+    answer_weight: float = option(1.0, "lm stage: the weight in the loss of each position that predicts an answer's value "
+                                  "in a retrieval sequence (1: like every other position)")
     quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
     seed: int = option(SelectionConfig.seed, "data order, random scorer, task problems")
     device: str = option("auto", DEVICE_HELP + "; where the stages run (a run may continue on another device)")
@@ -107,6 +110,10 @@ class RunConfig:
             self.lr = tuple(self.lr)
         require(isinstance(self.retrieval_share, (int, float)) and 0 <= self.retrieval_share <= 1,
                 f"--retrieval-share must be in [0, 1], got {self.retrieval_share}")
+        require(isinstance(self.answer_weight, (int, float)) and 1 <= self.answer_weight <= MAX_ANSWER_WEIGHT,
+                f"--answer-weight must be in [1, {MAX_ANSWER_WEIGHT}], got {self.answer_weight}")
+        require(self.answer_weight == 1 or self.retrieval_share > 0,
+                "--answer-weight weighs the answers of retrieval sequences: it needs --retrieval-share > 0")
         for path in [*self.data, *self.eval_data, *self.ood_data]:
             if not Path(path).is_file():
                 raise not_found(path)

@@ -33,6 +33,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers import AutoConfig
 
@@ -143,12 +144,28 @@ class Run:
         return load_documents(self.config.data)
 
     @cached_property
+    def _training_mix(self) -> tuple[Tensor, Tensor]:
+        sequences = token_sequences(self.tokenizer, self.train_documents, self.recipe.sequence_length,
+                                    seed=self.config.seed)
+        return mix_retrieval(self.tokenizer, sequences, self.config.retrieval_share, self.config.seed)
+
+    @property
     def train_sequences(self) -> Tensor:
         """`[N, seq_len]` training sequences of the recipe's length, shuffled with the run's seed;
         `retrieval_share` of them, chosen with the seed, carry facts and questions (`retrieval_mix`)."""
-        sequences = token_sequences(self.tokenizer, self.train_documents, self.recipe.sequence_length,
-                                    seed=self.config.seed)
-        return mix_retrieval(self.tokenizer, sequences, self.config.retrieval_share, self.config.seed)[0]
+        return self._training_mix[0]
+
+    @property
+    def lm_weights(self) -> Tensor | None:
+        """`[N, seq_len]` each position's weight in the `lm` stage's loss: `answer_weight` where
+        the position predicts a value token of an answer (the next token is one), else 1; None
+        at the default weight of 1 (the plain mean)."""
+        if self.config.answer_weight == 1:
+            return None
+        answers = self._training_mix[1]
+        weights = torch.ones(answers.shape)
+        weights[:, :-1][answers[:, 1:]] = float(self.config.answer_weight)
+        return weights
 
     def model(self, name: str):
         """The converted model `name` (converted, transfer or final): the one the last stage
@@ -261,7 +278,8 @@ def training_stage(stage: str, source: str, target: str) -> Stage:
         if out.exists() and not resume:
             shutil.rmtree(out)  # an earlier attempt that wrote no checkpoint
         student = run.model(source)
-        summary = train_stage(student, run.tokenizer, run.original, run.train_sequences, config, out, resume=resume)
+        summary = train_stage(student, run.tokenizer, run.original, run.train_sequences, config, out, resume=resume,
+                              weights=run.lm_weights if stage == "lm" else None)
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)
         run.hand_on(target, student)
         return {**{k: v for k, v in summary.items() if k != "config"}, "lr": config.lr}

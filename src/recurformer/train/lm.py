@@ -54,42 +54,45 @@ class _HeadLosses(torch.autograd.Function):
     """Cross-entropy and KL of a linear head's logits, chunk by chunk; see `head_losses`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, temperature, chunk):
-        rows = hidden.shape[0]
-        scored = max(int((targets >= 0).sum()), 1)
+    def forward(ctx, hidden, weight, targets, row_weights, teacher_hidden, teacher_weight, ce_weight, kl_weight,
+                temperature, chunk):
+        w = row_weights.float()  # [N]
+        total = w.sum()
+        scored = w[targets >= 0].sum().clamp(min=1e-12)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         ce_sum, kl_sum = hidden.new_zeros((), dtype=torch.float32), hidden.new_zeros((), dtype=torch.float32)
         t = temperature
-        for start in range(0, rows, chunk):
+        for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             h = hidden[part]
             logits = (h @ weight.T).float()  # [c, V]
             grad = torch.zeros_like(logits)
-            target = targets[part]
+            target, w_part = targets[part], w[part, None]  # [c], [c, 1]
             scored_rows = (target >= 0).nonzero(as_tuple=True)[0]
+            w_scored = w_part[scored_rows]
             # [c, V] tensors go as soon as they are used, and the KL's in place: at most five at once
             log_probs = logits.log_softmax(-1)
-            ce_sum -= log_probs[scored_rows, target[scored_rows]].sum()  # logged even when not trained
+            ce_sum -= (log_probs[scored_rows, target[scored_rows]] * w_scored[:, 0]).sum()  # logged even when not trained
             if ce_weight:
-                grad[scored_rows] += log_probs[scored_rows].exp() * (ce_weight / scored)
-                grad[scored_rows, target[scored_rows]] -= ce_weight / scored
+                grad[scored_rows] += log_probs[scored_rows].exp() * (w_scored * (ce_weight / scored))
+                grad[scored_rows, target[scored_rows]] -= w_scored[:, 0] * (ce_weight / scored)
             del log_probs
             if kl_weight:
                 teacher_log = ((teacher_hidden[part] @ teacher_weight.T).float() / t).log_softmax(-1)
                 student_log = (logits / t).log_softmax(-1)
                 teacher_probs = teacher_log.exp()
-                kl_sum += teacher_log.sub_(student_log).mul_(teacher_probs).sum()
+                kl_sum += teacher_log.sub_(student_log).mul_(teacher_probs).mul_(w_part).sum()
                 del teacher_log
                 # d/dlogits of t^2 KL(teacher || softmax(logits / t)) = t (student - teacher)
-                grad += student_log.exp_().sub_(teacher_probs).mul_(kl_weight * t / rows)
+                grad += student_log.exp_().sub_(teacher_probs).mul_(w_part * (kl_weight * t / total))
                 del student_log, teacher_probs
             del logits
             grad_hidden[part] = grad @ weight.float()
             if grad_weight is not None:
                 grad_weight += grad.T @ h.float()
         ce = ce_sum / scored
-        kl = kl_sum * t * t / rows
+        kl = kl_sum * t * t / total
         ctx.save_for_backward(grad_hidden.to(hidden.dtype), None if grad_weight is None else grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(ce, kl)
         return ce_weight * ce + kl_weight * kl, ce, kl
@@ -100,7 +103,7 @@ class _HeadLosses(torch.autograd.Function):
         return (
             grad_hidden * grad_loss,
             None if grad_weight is None else grad_weight * grad_loss,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
 
 
@@ -114,6 +117,7 @@ def head_losses(
     kl_weight: float = 0.0,
     temperature: float = 1.0,
     chunk: int = CHUNK,
+    row_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`ce_weight * CE + kl_weight * t^2 * KL(teacher || student)` of the logits `hidden @ weight.T`.
 
@@ -123,13 +127,17 @@ def head_losses(
         targets `[N]`: the token each row predicts, -100 for none (CE is their mean).
         teacher_hidden `[N, d]`, teacher_weight `[V, d]`: the teacher's (needed if kl_weight).
         temperature: t of the KL (softmaxes of logits / t); the KL is averaged over all rows.
+        row_weights `[N]`: each row's weight in both means (default: all 1, the plain means).
 
     Returns (loss, ce, kl): the loss with gradients for `hidden` (and `weight` if it requires
     them), computed in chunks of `chunk` rows; ce and kl are detached.
     """
     if kl_weight and teacher_hidden is None:
         raise ConfigError("a KL term needs the teacher's hidden states")
-    return _HeadLosses.apply(hidden, weight, targets, teacher_hidden, teacher_weight, ce_weight, kl_weight, temperature, chunk)
+    if row_weights is None:
+        row_weights = hidden.new_ones(hidden.shape[0], dtype=torch.float32)
+    return _HeadLosses.apply(hidden, weight, targets, row_weights, teacher_hidden, teacher_weight, ce_weight, kl_weight,
+                             temperature, chunk)
 
 
 def recompute_layers(model: nn.Module, on: bool = True) -> None:
@@ -213,8 +221,10 @@ class LMObjective:
                 p.requires_grad_(True)
         return model.train()
 
-    def loss(self, model: nn.Module, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-        """Loss on `labels` `[b, T]` (default: every next token of `input_ids` `[b, T]`)."""
+    def loss(self, model: nn.Module, input_ids: Tensor, labels: Tensor | None = None,
+             weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """Loss on `labels` `[b, T]` (default: every next token of `input_ids` `[b, T]`);
+        `weights` `[b, T]`: each position's weight in the means (default: all 1)."""
         labels = input_ids if labels is None else labels
         targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()  # position t predicts label t + 1
         hidden = _last_hidden(model, input_ids).flatten(0, 1)
@@ -225,7 +235,8 @@ class LMObjective:
                 teacher_hidden = _last_hidden(self.teacher, input_ids).flatten(0, 1)
             teacher_head = self.teacher.get_output_embeddings().weight
         loss, ce, kl = head_losses(hidden, head, targets, teacher_hidden, teacher_head,
-                                   self.ce_weight, self.distill_weight, self.temperature)
+                                   self.ce_weight, self.distill_weight, self.temperature,
+                                   row_weights=None if weights is None else weights.flatten())
         metrics = {"ce": ce.item()}
         if self.distill_weight:
             metrics["kl"] = kl.item()

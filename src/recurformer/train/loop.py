@@ -124,9 +124,11 @@ class Objective(Protocol):
     def prepare(self, model: nn.Module) -> nn.Module:
         """Freeze and wrap as the stage needs; return the module to optimize."""
 
-    def loss(self, module: nn.Module, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, module: nn.Module, input_ids: Tensor, labels: Tensor | None = None,
+             weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         """Mean loss of `input_ids` `[b, T]` and extra metrics to log. `labels` `[b, T]`
-        (HF convention, -100 = not scored) is given only when `train` received labels."""
+        (HF convention, -100 = not scored) is given only when `train` received labels, and
+        `weights` `[b, T]` (each position's weight in the mean) only when it received weights."""
 
     def finish(self, module: nn.Module) -> nn.Module:
         """The model to save after training (e.g. LoRA merged)."""
@@ -229,11 +231,14 @@ def train(
     resume: bool = False,
     progress: bool = True,
     labels: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> dict[str, Any]:
     """Train `model` in place on `sequences` `[N, seq_len]`; checkpoints and logs in `out_dir`.
 
     `labels` `[N, seq_len]` (HF convention, -100 = not scored), if given, go with their
     sequences to `objective.loss`: task data whose loss counts only the answer tokens.
+    `weights` `[N, seq_len]`, if given, go with them too: each position's weight in the loss
+    (the `lm` stage's; e.g. more on the answers of retrieval sequences).
 
     Returns the summary (also written to `out_dir/train_summary.json`). The trained model is
     `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
@@ -248,6 +253,9 @@ def train(
     require(len(sequences) >= 1 and sequences.shape[1] == config.seq_len, "training sequences do not match --seq-len")
     require(labels is None or labels.shape == sequences.shape,
              f"labels {None if labels is None else tuple(labels.shape)} do not match sequences {tuple(sequences.shape)}")
+    require(weights is None or config.stage == "lm", "position weights apply to the lm stage's loss only")
+    require(weights is None or weights.shape == sequences.shape,
+            f"weights {None if weights is None else tuple(weights.shape)} do not match sequences {tuple(sequences.shape)}")
 
     set_seed(config.seed)
     module = objective.prepare(model)
@@ -287,6 +295,7 @@ def train(
         mine = rows[rank * per_process:(rank + 1) * per_process]
         shard = sequences[mine]
         shard_labels = None if labels is None else labels[mine]
+        shard_weights = None if weights is None else weights[mine]
         step_loss = torch.zeros((), device=accelerator.device)
         metrics: dict[str, float] = {}
         for i in range(config.grad_accum):
@@ -294,9 +303,10 @@ def train(
             batch = shard[part].to(accelerator.device)
             # Objectives without a labels argument (e.g. transfer) keep working when none are given.
             extra_args = () if shard_labels is None else (shard_labels[part].to(accelerator.device),)
+            extra_kwargs = {} if shard_weights is None else {"weights": shard_weights[part].to(accelerator.device)}
             sync = i == config.grad_accum - 1
             with (nullcontext() if sync else accelerator.no_sync(module)), accelerator.autocast():
-                loss, extra = objective.loss(module, batch, *extra_args)
+                loss, extra = objective.loss(module, batch, *extra_args, **extra_kwargs)
                 accelerator.backward(loss / config.grad_accum)
             step_loss += loss.detach() / config.grad_accum
             for k, v in extra.items():

@@ -29,13 +29,14 @@ def objective_for(config: TrainConfig, student: nn.Module, teacher: nn.Module | 
 
 def train_stage(
     student: nn.Module, tokenizer, teacher: nn.Module | None, sequences: Tensor, config: TrainConfig,
-    out_dir: str | Path, resume: bool = False, progress: bool = True,
+    out_dir: str | Path, resume: bool = False, progress: bool = True, weights: Tensor | None = None,
 ) -> dict:
     """Train `student` in place on `sequences` `[N, seq_len]`, then save it and `tokenizer`
-    into `out_dir` beside its checkpoint and logs; returns the training summary. The stage
-    is added to the model's `config.training`, which its model card lists."""
+    into `out_dir` beside its checkpoint and logs; returns the training summary. `weights`
+    `[N, seq_len]`: each position's weight in the `lm` stage's loss (`train`). The stage is
+    added to the model's `config.training`, which its model card lists."""
     summary = train(student, objective_for(config, student, teacher), sequences, config, out_dir, resume=resume,
-                    progress=progress)
+                    progress=progress, weights=weights)
     stage = {"stage": summary["stage"], "steps": summary["steps"], "tokens": summary["tokens"],
              "trainable": config.trainable}
     student.config.training = [*(getattr(student.config, "training", None) or []), stage]
