@@ -474,6 +474,8 @@ def test_run_takes_another_recipe_by_name():
     assert recipe_for("window+mamba2", "tail-mamba2-q").lm.trainable == "tail+q"
     long = recipe_for("window+mamba2", "tail-mamba2-long")
     assert long.sequence_length == 4096 and long.lm.seq_len == 4096
+    both = recipe_for("window+mamba2", "tail-mamba2-long-q")
+    assert both.transfer == long.transfer and both.lm.seq_len == 4096 and both.lm.trainable == "tail+q"
     assert "query projections train too" in recipe_for("window+mamba2", "tail-mamba2-q").summary
     with pytest.raises(ConfigError, match="--recipe: unknown 'fast'; choose one of mixers, mamba2, tail"):
         recipe_for("window+mamba2", "fast")

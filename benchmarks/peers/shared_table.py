@@ -69,7 +69,15 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-ablation-retrieval,duo@0.5", "conversion@0.5-ablation-retrieval,kvzip@0.5",
                "window@0.5-ablation-retrieval,window@0.5", "duo-retrieval@0.25,duo@0.25",
                "conversion@0.25,duo-retrieval@0.25", "compose-tova@0.25,conversion@0.25",
-               "compose-tova@0.25,compose-kvzip@0.25", "compose-tova@0.25,tova@0.25")
+               "compose-tova@0.25,compose-kvzip@0.25", "compose-tova@0.25,tova@0.25",
+               "conversion@0.5-long-retrieval25,window@0.5",
+               "conversion@0.5-long-retrieval50,conversion@0.5-long-retrieval25",
+               "conversion@0.5-long-retrieval50,kvzip@0.5", "conversion@0.5-long-retrieval50,window@0.5",
+               "conversion@0.5-long-retrieval25-answers16,conversion@0.5-long-retrieval25",
+               "conversion@0.5-long-retrieval25-answers16,kvzip@0.5",
+               "conversion@0.5-long-retrieval25-answers16,window@0.5",
+               "conversion@0.5-long-retrieval25-lm64,conversion@0.5-long-retrieval25",
+               "conversion@0.5-long-retrieval25-lm64,kvzip@0.5", "conversion@0.5-long-retrieval25-lm64,window@0.5")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:

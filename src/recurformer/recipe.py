@@ -15,6 +15,7 @@ the pipeline, the benchmarks that train like `run` and the run's report all read
 | `tail-mamba2` | window+mamba2 | as `tail` | as `tail` at 2e-4 |
 | `tail-mamba2-q` | (`run --recipe`) a tail kind | as `tail` | the tail and the kept heads' query projections, 2e-4 |
 | `tail-mamba2-long` | (`run --recipe`) a tail kind | as `tail` on 1 x 4,096 tokens | as `tail-mamba2` on 1 x 4,096 tokens |
+| `tail-mamba2-long-q` | (`run --recipe`) a tail kind | as `tail-mamba2-long` | as `tail-mamba2-q` on 1 x 4,096 tokens |
 | (none) | a kind with nothing to train | `run` refuses the kind (`Mixer.recipe = None`) | |
 
 The tail recipes train only what sees beyond the window (`Mixer.tail_parameters`: the
@@ -132,6 +133,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     replace(_TAIL, name="tail-mamba2-long", summary=_TAIL_TEXT + _LONG_TEXT,
             transfer=replace(_TAIL.transfer, seq_len=4096, batch_size=1),
             lm=replace(_TAIL.lm, lr=2e-4, seq_len=4096, batch_size=1)),
+    replace(_TAIL, name="tail-mamba2-long-q", summary=_TAIL_TEXT + _Q_TEXT + _LONG_TEXT,
+            transfer=replace(_TAIL.transfer, seq_len=4096, batch_size=1),
+            lm=replace(_TAIL.lm, lr=2e-4, seq_len=4096, batch_size=1, trainable="tail+q")),
 )}
 
 
