@@ -81,7 +81,8 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-long-q-retrieval25-answers16,kvzip@0.5",
                "conversion@0.5-long-q-retrieval25-answers16,window@0.5",
                "conversion@0.5-long-retrieval25,conversion@0.5-long-retrieval25-transfer",
-               "conversion@0.5-long-retrieval25-transfer,window@0.5")
+               "conversion@0.5-long-retrieval25-transfer,window@0.5",
+               "conversion@0.5,conversion@0.5-transfer", "conversion@0.5-transfer,window@0.5")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
