@@ -82,7 +82,7 @@ class _HeadLosses(torch.autograd.Function):
                 teacher_log = ((teacher_hidden[part] @ teacher_weight.T).float() / t).log_softmax(-1)
                 student_log = (logits / t).log_softmax(-1)
                 teacher_probs = teacher_log.exp()
-                kl_sum += teacher_log.sub_(student_log).mul_(teacher_probs).mul_(w_part).sum()
+                kl_sum += (teacher_log.sub_(student_log).mul_(teacher_probs).sum(-1) * w_part[:, 0]).sum()  # [c] weighted
                 del teacher_log
                 # d/dlogits of t^2 KL(teacher || softmax(logits / t)) = t (student - teacher)
                 grad += student_log.exp_().sub_(teacher_probs).mul_(w_part * (kl_weight * t / total))
