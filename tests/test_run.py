@@ -2,6 +2,7 @@
 the step-time probe, the report, and `recurformer generate`."""
 
 import json
+from dataclasses import replace
 import re
 import string
 from pathlib import Path
@@ -62,7 +63,8 @@ def texts(tmp_path):
         (dict(device="tpu"), ConfigError, "--device: unknown 'tpu'"),
         (dict(retrieval_share=0.25, answer_weight=0.5), ConfigError, r"--answer-weight must be in \[1, 1000\], got 0.5"),
         (dict(retrieval_share=0.25, answer_weight=float("inf")), ConfigError, r"--answer-weight must be in \[1, 1000\], got inf"),
-        (dict(answer_weight=8), ConfigError, "--answer-weight weighs the answers of retrieval sequences: it needs --retrieval-share > 0"),
+        (dict(answer_weight=8, retrieval_share=0), ConfigError, "--answer-weight weighs the answers of retrieval sequences: it needs --retrieval-share > 0"),
+        (dict(answer_weight=8, mixer="window+mamba"), ConfigError, "--answer-weight weighs the answers of retrieval sequences: it needs --retrieval-share > 0"),
     ],
 )
 def test_bad_configuration_is_refused_up_front(texts, change, error, message):
@@ -483,6 +485,47 @@ def test_run_takes_another_recipe_by_name():
         recipe_for("mamba", "tail-mamba2-q")
 
 
+def test_the_long_lm_recipe_trains_the_lm_stage_on_4k_tokens_and_cuts_them_in_four_for_transfer():
+    recipe = recipe_for("window+mamba2", "tail-mamba2-long-lm")
+    assert recipe.sequence_length == 4096 and (recipe.lm.seq_len, recipe.lm.batch_size) == (4096, 1)
+    assert recipe.transfer == RECIPES["tail-mamba2"].transfer and recipe.lm.lr == 2e-4
+    rows = torch.arange(2 * 4096).reshape(2, 4096)
+    pieces = recipe.stage_rows("transfer", rows)
+    assert pieces.shape == (8, 1024) and torch.equal(pieces[5], rows[1, 1024:2048])  # consecutive pieces, in order
+    assert torch.equal(recipe.stage_rows("lm", rows), rows)
+    assert recipe.quick().sequence_length == recipe.quick_seq_len  # --quick: both stages equally tiny
+    with pytest.raises(ValueError, match="sequence lengths 1000 and 4096 must divide"):
+        replace(recipe, transfer=replace(recipe.transfer, seq_len=1000))
+
+
+def test_each_training_stage_reads_the_sequences_and_weights_cut_to_its_own_length(texts, tmp_path, monkeypatch):
+    """A recipe whose stages differ in length: the transfer stage gets the run's sequences in
+    pieces of its length, the lm stage whole, and the lm weights are cut like the sequences."""
+    train, held_out = texts
+    hybrid = replace(RECIPES["tail-mamba2-long-lm"], transfer=replace(RECIPES["tail"].transfer, seq_len=64),
+                     lm=replace(RECIPES["tail-mamba2-long-lm"].lm, seq_len=256))
+    monkeypatch.setattr(RunConfig, "recipe", property(lambda self: hybrid))
+    run = Run(RunConfig(model=str(save_tiny_model(tmp_path / "tiny")), data=train, eval_data=held_out,
+                        steps=(1, 1), retrieval_share=0.5, answer_weight=4), tmp_path / "run")
+    run.claim(force=False)
+    run.layout.finish("plan", {"transfer_steps": 1, "lm_steps": 1})
+    seen = {}
+
+    def fake_train_stage(student, tokenizer, original, sequences, config, out, resume, weights):
+        seen[config.stage] = (tuple(sequences.shape), None if weights is None else tuple(weights.shape), config.seq_len)
+        return {"config": config}
+
+    monkeypatch.setattr("recurformer.run.stages.train_stage", fake_train_stage)
+    monkeypatch.setattr(Run, "model", lambda self, name: f"model {name}")
+    monkeypatch.setattr(Run, "original", "the original")
+    stages = dict((name, stage) for name, stage, _ in STAGES)
+    stages["transfer"](run)
+    stages["lm"](run)
+    n = len(run.train_sequences)
+    assert run.train_sequences.shape[1] == 256 and run.lm_weights.shape == (n, 256)
+    assert seen == {"transfer": ((4 * n, 64), None, 64), "lm": ((n, 256), (n, 256), 256)}
+
+
 def test_the_report_names_the_recipe_the_mixer_was_trained_by():
     assert "LoRA adapters" in recipe_for("mamba").summary and "tail recipe" not in recipe_for("window").summary
     assert "KL divergence to the original model's predictions alone" in recipe_for("window+mamba2").summary
@@ -503,18 +546,24 @@ def test_the_bench_names_the_final_model_by_its_role_not_its_path(texts, tmp_pat
     assert seen == {"final": "model final"}
 
 
-def test_a_retrieval_share_replaces_that_share_of_the_training_sequences_and_none_by_default(tmp_path):
+def test_a_retrieval_share_replaces_that_share_of_the_training_sequences_by_default_the_recipes(tmp_path):
+    """window+mamba2's recipe mixes a quarter of retrieval sequences in; `--retrieval-share 0`
+    trains on the plain text, and so do kinds whose recipe has no share and `--quick` runs."""
     train, held_out = tmp_path / "train.txt", tmp_path / "test.txt"
     train.write_text("the quick brown fox jumps over the lazy dog . " * 400)
     held_out.write_text("a recurrent state has a fixed size . " * 50)
     model = str(save_tiny_model(tmp_path / "tiny"))
-    plain = Run(RunConfig(model=model, data=[str(train)], eval_data=[str(held_out)]), tmp_path / "a")
+    paths = dict(model=model, data=[str(train)], eval_data=[str(held_out)])
+    plain = Run(RunConfig(**paths, retrieval_share=0), tmp_path / "a")
     expected = token_sequences(plain.tokenizer, load_documents([str(train)]), plain.recipe.sequence_length, seed=0)
-    assert plain.config.retrieval_share == 0.0 and torch.equal(plain.train_sequences, expected)
-    mixed = Run(RunConfig(model=model, data=[str(train)], eval_data=[str(held_out)], retrieval_share=0.5),
-                tmp_path / "b").train_sequences
-    replaced = [i for i in range(len(expected)) if not torch.equal(mixed[i], expected[i])]
-    assert mixed.shape == expected.shape and len(replaced) == round(0.5 * len(expected))
+    assert torch.equal(plain.train_sequences, expected)
+    for config, share in ((RunConfig(**paths), 0.25), (RunConfig(**paths, retrieval_share=0.5), 0.5)):
+        mixed = Run(config, tmp_path / str(share)).train_sequences
+        replaced = [i for i in range(len(expected)) if not torch.equal(mixed[i], expected[i])]
+        assert config.retrieval_share == share and mixed.shape == expected.shape
+        assert len(replaced) == round(share * len(expected))
+    assert RunConfig(**paths, mixer="window+mamba").retrieval_share == 0.0  # the `tail` recipe: unmeasured with it
+    assert RunConfig(**paths, quick=True).retrieval_share == 0.0  # no room for a fact in a tiny sequence
 
 
 def test_the_answer_weight_weighs_the_positions_that_predict_an_answers_value(tmp_path):
@@ -535,16 +584,17 @@ def test_the_answer_weight_weighs_the_positions_that_predict_an_answers_value(tm
     assert set(weights.unique().tolist()) == {1.0, 8.0}
 
 
-def test_a_run_json_without_the_retrieval_share_is_a_run_at_its_default(texts, tmp_path):
-    """run.json written before --retrieval-share existed: the same run at the default, another at 0.5."""
+def test_a_run_json_without_the_retrieval_share_is_a_run_without_retrieval_sequences(texts, tmp_path):
+    """run.json written before --retrieval-share existed: a run at share 0 (what runs did then),
+    not at today's default of the recipe's quarter."""
     train, held_out = texts
-    Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=False)
+    Run(RunConfig(data=train, eval_data=held_out, retrieval_share=0), tmp_path / "run").claim(force=False)
     saved = json.loads((tmp_path / "run" / "run.json").read_text())
     del saved["config"]["retrieval_share"]
     (tmp_path / "run" / "run.json").write_text(json.dumps(saved))
-    Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=False)
-    with pytest.raises(ConfigError, match=r"different configuration \(retrieval_share: 0.0 there, 0.5 here\)"):
-        Run(RunConfig(data=train, eval_data=held_out, retrieval_share=0.5), tmp_path / "run").claim(force=False)
+    Run(RunConfig(data=train, eval_data=held_out, retrieval_share=0), tmp_path / "run").claim(force=False)
+    with pytest.raises(ConfigError, match=r"different configuration \(retrieval_share: 0.0 there, 0.25 here\)"):
+        Run(RunConfig(data=train, eval_data=held_out), tmp_path / "run").claim(force=False)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -82,7 +82,19 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-long-q-retrieval25-answers16,window@0.5",
                "conversion@0.5-long-retrieval25,conversion@0.5-long-retrieval25-transfer",
                "conversion@0.5-long-retrieval25-transfer,window@0.5",
-               "conversion@0.5,conversion@0.5-transfer", "conversion@0.5-transfer,window@0.5")
+               "conversion@0.5,conversion@0.5-transfer", "conversion@0.5-transfer,window@0.5",
+               "conversion@0.5-long-lm-retrieval25,conversion@0.5",
+               "conversion@0.5-long-lm-retrieval25,conversion@0.5-long-retrieval25",
+               "conversion@0.5-long-lm-retrieval25,conversion@0.5-retrieval25",
+               "conversion@0.5-long-lm-retrieval25,kvzip@0.5", "conversion@0.5-long-lm-retrieval25,window@0.5",
+               "conversion@0.5-long-lm-retrieval25-lm26,conversion@0.5",
+               "conversion@0.5-long-lm-retrieval25-lm26,conversion@0.5-long-lm-retrieval25",
+               "conversion@0.5-long-lm-retrieval25-lm26,conversion@0.5-retrieval25",
+               "conversion@0.5-long-lm-retrieval25-lm26,duo@0.5",
+               "conversion@0.5-long-lm-retrieval25-lm26,kvzip@0.5",
+               "conversion@0.5-long-lm-retrieval25-lm26,window@0.5",
+               "conversion@0.5-long-lm-retrieval25,conversion@0.5-long-lm-retrieval25-transfer",
+               "conversion@0.5-long-lm-retrieval25-transfer,conversion@0.5-transfer")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:

@@ -12,10 +12,11 @@ the pipeline, the benchmarks that train like `run` and the run's report all read
 | `mixers` | mamba, window | mixers, 5e-3, 8 x 512 tokens | mixers + LoRA, cross-entropy + KL, 1e-3 |
 | `mamba2` | mamba2 | as `mixers` | as `mixers` at 2e-4 (1e-3 diverges: docs/mixers.md) |
 | `tail` | window+mamba, window+linear | the tail only, 5e-3, 4 x 1,024 tokens | the tail only, on the KL alone, 1e-3 |
-| `tail-mamba2` | window+mamba2 | as `tail` | as `tail` at 2e-4 |
+| `tail-mamba2` | window+mamba2 | as `tail` | as `tail` at 2e-4; this and every `tail-mamba2-*` recipe: a quarter of the sequences with facts and questions |
 | `tail-mamba2-q` | (`run --recipe`) a tail kind | as `tail` | the tail and the kept heads' query projections, 2e-4 |
 | `tail-mamba2-long` | (`run --recipe`) a tail kind | as `tail` on 1 x 4,096 tokens | as `tail-mamba2` on 1 x 4,096 tokens |
 | `tail-mamba2-long-q` | (`run --recipe`) a tail kind | as `tail-mamba2-long` | as `tail-mamba2-q` on 1 x 4,096 tokens |
+| `tail-mamba2-long-lm` | (`run --recipe`) a tail kind | as `tail` (4 x 1,024 tokens, the 4,096-token sequences cut in four) | as `tail-mamba2-long` |
 | (none) | a kind with nothing to train | `run` refuses the kind (`Mixer.recipe = None`) | |
 
 The tail recipes train only what sees beyond the window (`Mixer.tail_parameters`: the
@@ -26,13 +27,17 @@ several times the window long, with as many tokens per step as the other recipes
 `-q` and `-long` recipes are the options of issue 44 for retrieval (measured in
 docs/results/long-context.md): the kept heads' queries may adapt to the loss of their
 neighbours, and a sequence as long as the evaluated context holds facts as far back as the
-evaluation asks for them. `run --recipe` picks one instead of the kind's own.
+evaluation asks for them (`-long-lm`: in the `lm` stage only, which is where the long sequences
+recover retrieval). `run --recipe` picks one instead of the kind's own; `run --retrieval-share`
+another share of retrieval sequences than the recipe's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from torch import Tensor
 
 from .config import require
 from .mixers import MIXERS
@@ -82,6 +87,12 @@ class Recipe:
     lm: StageRecipe
     quick_seq_len: int  # `run --quick`: both stages on 2 sequences of this many tokens
     transfer_share: float = 0.35
+    retrieval_share: float = 0.0  # share of training sequences with facts and questions (`run --retrieval-share`)
+
+    def __post_init__(self):
+        short, long = sorted((self.transfer.seq_len, self.lm.seq_len))
+        if long % short:
+            raise ValueError(f"recipe {self.name}: the stages' sequence lengths {short} and {long} must divide")
 
     def stage(self, name: str) -> StageRecipe:
         return {"transfer": self.transfer, "lm": self.lm}[name]
@@ -93,13 +104,20 @@ class Recipe:
 
     @property
     def sequence_length(self) -> int:
-        """The training sequences' length (both stages read the same sequences)."""
-        return self.transfer.seq_len
+        """The training sequences' length: the longer stage's. Both stages read the same
+        sequences; the shorter stage reads each cut into pieces of its length (`stage_rows`)."""
+        return max(self.transfer.seq_len, self.lm.seq_len)
+
+    def stage_rows(self, name: str, rows: Tensor) -> Tensor:
+        """`rows` `[N, sequence_length]` (sequences, or their loss weights) as stage `name`
+        reads them: `[N * sequence_length // seq_len, seq_len]`, each row cut in consecutive pieces."""
+        return rows.reshape(-1, self.stage(name).seq_len)
 
     def quick(self) -> "Recipe":
-        """The same recipe at tiny sizes (`run --quick`: a smoke test)."""
+        """The same recipe at tiny sizes (`run --quick`: a smoke test), on plain text: a tiny
+        sequence has no room for a fact and its question."""
         tiny = dict(seq_len=self.quick_seq_len, batch_size=2)
-        return replace(self, transfer=replace(self.transfer, **tiny), lm=replace(self.lm, **tiny))
+        return replace(self, transfer=replace(self.transfer, **tiny), lm=replace(self.lm, **tiny), retrieval_share=0.0)
 
 
 _MIXERS_TEXT = ("The `transfer` stage trains each layer's mixer to reproduce the outputs of the heads it replaced (mean "
@@ -114,6 +132,11 @@ _TAIL_TEXT = ("The tail recipe: the window keeps the heads' own projections, and
 _Q_TEXT = (" The kept heads' query projections train too, so that the heads that still attend to every token can "
            "learn to find what the replaced heads found.")
 _LONG_TEXT = " Both stages train on sequences of 4,096 tokens, as long as the evaluated context."
+_RETRIEVAL_TEXT = (" A quarter of the training sequences carry facts inserted into their text and questions about "
+                   "them later on (`run --retrieval-share`), which the original answers and the converted model learns to "
+                   "answer like it.")
+_LONG_LM_TEXT = (" The `lm` stage trains on sequences of 4,096 tokens, as long as the evaluated context; the "
+                 "`transfer` stage reads them cut into 1,024-token pieces.")
 
 _MIXERS = Recipe("mixers", _MIXERS_TEXT,
                  transfer=StageRecipe(lr=5e-3, trainable="mixers", seq_len=512, batch_size=8),
@@ -124,18 +147,25 @@ _TAIL = Recipe("tail", _TAIL_TEXT,
                lm=StageRecipe(lr=1e-3, trainable="tail", seq_len=1024, batch_size=4, distill_weight=1.0, ce_weight=0.0),
                quick_seq_len=96)
 
+# window+mamba2's recipes: the lm stage at mamba2's rate, a quarter of the sequences with facts and
+# questions (measured: docs/training.md, "Retrieval in the training data")
+_TAIL_MAMBA2 = replace(_TAIL, summary=_TAIL_TEXT + _RETRIEVAL_TEXT, lm=replace(_TAIL.lm, lr=2e-4), retrieval_share=0.25)
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _MIXERS,
     replace(_MIXERS, name="mamba2", lm=replace(_MIXERS.lm, lr=2e-4)),
     _TAIL,
-    replace(_TAIL, name="tail-mamba2", lm=replace(_TAIL.lm, lr=2e-4)),
-    replace(_TAIL, name="tail-mamba2-q", summary=_TAIL_TEXT + _Q_TEXT, lm=replace(_TAIL.lm, lr=2e-4, trainable="tail+q")),
-    replace(_TAIL, name="tail-mamba2-long", summary=_TAIL_TEXT + _LONG_TEXT,
+    replace(_TAIL_MAMBA2, name="tail-mamba2"),
+    replace(_TAIL_MAMBA2, name="tail-mamba2-q", summary=_TAIL_TEXT + _Q_TEXT + _RETRIEVAL_TEXT,
+            lm=replace(_TAIL_MAMBA2.lm, trainable="tail+q")),
+    replace(_TAIL_MAMBA2, name="tail-mamba2-long", summary=_TAIL_TEXT + _LONG_TEXT + _RETRIEVAL_TEXT,
             transfer=replace(_TAIL.transfer, seq_len=4096, batch_size=1),
-            lm=replace(_TAIL.lm, lr=2e-4, seq_len=4096, batch_size=1)),
-    replace(_TAIL, name="tail-mamba2-long-q", summary=_TAIL_TEXT + _Q_TEXT + _LONG_TEXT,
+            lm=replace(_TAIL_MAMBA2.lm, seq_len=4096, batch_size=1)),
+    replace(_TAIL_MAMBA2, name="tail-mamba2-long-q", summary=_TAIL_TEXT + _Q_TEXT + _LONG_TEXT + _RETRIEVAL_TEXT,
             transfer=replace(_TAIL.transfer, seq_len=4096, batch_size=1),
-            lm=replace(_TAIL.lm, lr=2e-4, seq_len=4096, batch_size=1, trainable="tail+q")),
+            lm=replace(_TAIL_MAMBA2.lm, seq_len=4096, batch_size=1, trainable="tail+q")),
+    replace(_TAIL_MAMBA2, name="tail-mamba2-long-lm", summary=_TAIL_TEXT + _LONG_LM_TEXT + _RETRIEVAL_TEXT,
+            lm=replace(_TAIL_MAMBA2.lm, seq_len=4096, batch_size=1)),
 )}
 
 

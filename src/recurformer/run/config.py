@@ -74,8 +74,9 @@ class RunConfig:
                                             parse=_pair(float, "learning rates", "5e-3,1e-3"))
     recipe_name: str | None = option(None, "how to train: a recipe of recipe.py (default: the mixer kind's own; "
                                      "docs/training.md)", flag="--recipe", metavar="NAME")
-    retrieval_share: float = option(0.0, "the share of training sequences that carry facts and questions "
-                                    "(docs/training.md, \"Retrieval in the training data\")")
+    retrieval_share: float | None = option(None, "the share of training sequences that carry facts and questions "
+                                           "(default: the recipe's, 0.25 for window+mamba2, 0 for the other kinds "
+                                           "and with --quick; docs/training.md, \"Retrieval in the training data\")")
     answer_weight: float = option(1.0, "lm stage: the weight in the loss of each position that predicts an answer's value "
                                   "in a retrieval sequence (1: like every other position)")
     quick: bool = option(False, "tiny sizes everywhere: a smoke test, numbers not meaningful")
@@ -108,6 +109,8 @@ class RunConfig:
             require(len(self.lr) == 2 and all(0 < x < 1 for x in self.lr),
                     f"--lr must be two learning rates in (0, 1) TRANSFER,LM, got {self.lr}")
             self.lr = tuple(self.lr)
+        if self.retrieval_share is None:
+            self.retrieval_share = self.recipe.retrieval_share
         require(isinstance(self.retrieval_share, (int, float)) and 0 <= self.retrieval_share <= 1,
                 f"--retrieval-share must be in [0, 1], got {self.retrieval_share}")
         require(isinstance(self.answer_weight, (int, float)) and 1 <= self.answer_weight <= MAX_ANSWER_WEIGHT,

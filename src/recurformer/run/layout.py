@@ -97,11 +97,16 @@ class RunLayout:
             )
 
 
+# What a run did before `RunConfig` had the field, where that is not the field's default now.
+_BEFORE_THE_FIELD = {"retrieval_share": 0.0}  # no retrieval sequences
+
+
 def _defaults() -> dict:
-    """The plain defaults of `RunConfig`'s fields. [ours] A field added to `RunConfig` takes as
-    its default what runs did before it (`retrieval_share` 0.0: no retrieval sequences), so a
-    run.json without it stays valid for a run at the default."""
-    return {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
+    """What a run.json without a field meant. [ours] A field added to `RunConfig` takes as its
+    default what runs did before it, so a run.json without it stays valid for that run
+    (`retrieval_share`, whose default is now the recipe's: 0.0, no retrieval sequences)."""
+    plain = {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
+    return {**plain, **_BEFORE_THE_FIELD}
 
 
 def _run_settings(path: Path) -> dict | None:

@@ -258,7 +258,7 @@ def plan(run: Run) -> dict:
     for stage in ("transfer", "lm"):
         probe = run.train_config(stage, 1)
         timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
-                                        run.train_sequences, probe)
+                                        run.recipe.stage_rows(stage, run.train_sequences), probe)
     budget, share = run.config.budget_minutes * 60, run.recipe.transfer_share
     return {
         "transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3),
@@ -278,8 +278,10 @@ def training_stage(stage: str, source: str, target: str) -> Stage:
         if out.exists() and not resume:
             shutil.rmtree(out)  # an earlier attempt that wrote no checkpoint
         student = run.model(source)
-        summary = train_stage(student, run.tokenizer, run.original, run.train_sequences, config, out, resume=resume,
-                              weights=run.lm_weights if stage == "lm" else None)
+        weights = run.lm_weights if stage == "lm" else None
+        summary = train_stage(student, run.tokenizer, run.original, run.recipe.stage_rows(stage, run.train_sequences),
+                              config, out, resume=resume,
+                              weights=None if weights is None else run.recipe.stage_rows(stage, weights))
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)
         run.hand_on(target, student)
         return {**{k: v for k, v in summary.items() if k != "config"}, "lr": config.lr}
