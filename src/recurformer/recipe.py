@@ -27,8 +27,8 @@ several times the window long, with as many tokens per step as the other recipes
 `-q` and `-long` recipes are the options of issue 44 for retrieval (measured in
 docs/results/long-context.md): the kept heads' queries may adapt to the loss of their
 neighbours, and a sequence as long as the evaluated context holds facts as far back as the
-evaluation asks for them (`-long-lm`: in the `lm` stage only, which is where the long sequences
-recover retrieval). `run --recipe` picks one instead of the kind's own; `run --retrieval-share`
+evaluation asks for them (`-long-lm`: in the `lm` stage only; within the budget it answered
+as many questions as the 1,024-token recipe). `run --recipe` picks one instead of the kind's own; `run --retrieval-share`
 another share of retrieval sequences than the recipe's.
 """
 
