@@ -28,8 +28,8 @@ several times the window long, with as many tokens per step as the other recipes
 docs/results/long-context.md): the kept heads' queries may adapt to the loss of their
 neighbours, and a sequence as long as the evaluated context holds facts as far back as the
 evaluation asks for them (`-long-lm`: in the `lm` stage only; within the budget it answered
-as many questions as the 1,024-token recipe). `run --recipe` picks one instead of the kind's own; `run --retrieval-share`
-another share of retrieval sequences than the recipe's.
+as many questions as the 1,024-token recipe). `run --recipe` picks one instead of the kind's
+own; `run --retrieval-share` another share of retrieval sequences than the recipe's.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def mix_retrieval(tokenizer, sequences: Tensor, share: float, seed: int) -> tupl
     count = round(share * len(sequences))
     if share > 0 and count == 0:
         raise DataError(f"--retrieval-share {share} of the {len(sequences)} training sequences is none; "
-                        "give more training text or a larger share")
+                        "give more training text, a larger share or --retrieval-share 0")
     tokens, answers = sequences.clone(), torch.zeros(sequences.shape, dtype=torch.bool)
     for row in sorted(random.Random(f"retrieval-mix-{seed}").sample(range(len(sequences)), count)):
         made = retrieval_sequence(tokenizer, sequences[row].tolist(), random.Random(f"retrieval-mix-{seed}-{row}"))

@@ -167,6 +167,14 @@ class Run:
         weights[:, :-1][answers[:, 1:]] = float(self.config.answer_weight)
         return weights
 
+    def stage_data(self, stage: str) -> tuple[Tensor, Tensor | None]:
+        """What training stage `stage` reads: the training sequences `[M, seq_len]` cut to its
+        length (`Recipe.stage_rows`), and the `lm` stage's loss weights cut alike (None for the
+        transfer stage and at the default weight)."""
+        weights = self.lm_weights if stage == "lm" else None
+        sequences = self.recipe.stage_rows(stage, self.train_sequences)
+        return sequences, None if weights is None else self.recipe.stage_rows(stage, weights)
+
     def model(self, name: str):
         """The converted model `name` (converted, transfer or final): the one the last stage
         handed on if it is that one, else loaded from its folder (and held instead)."""
@@ -258,7 +266,7 @@ def plan(run: Run) -> dict:
     for stage in ("transfer", "lm"):
         probe = run.train_config(stage, 1)
         timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
-                                        run.recipe.stage_rows(stage, run.train_sequences), probe)
+                                        run.stage_data(stage)[0], probe)
     budget, share = run.config.budget_minutes * 60, run.recipe.transfer_share
     return {
         "transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3),
@@ -278,10 +286,9 @@ def training_stage(stage: str, source: str, target: str) -> Stage:
         if out.exists() and not resume:
             shutil.rmtree(out)  # an earlier attempt that wrote no checkpoint
         student = run.model(source)
-        weights = run.lm_weights if stage == "lm" else None
-        summary = train_stage(student, run.tokenizer, run.original, run.recipe.stage_rows(stage, run.train_sequences),
-                              config, out, resume=resume,
-                              weights=None if weights is None else run.recipe.stage_rows(stage, weights))
+        sequences, weights = run.stage_data(stage)
+        summary = train_stage(student, run.tokenizer, run.original, sequences, config, out, resume=resume,
+                              weights=weights)
         shutil.rmtree(out / CHECKPOINT, ignore_errors=True)
         run.hand_on(target, student)
         return {**{k: v for k, v in summary.items() if k != "config"}, "lr": config.lr}
