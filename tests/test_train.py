@@ -216,7 +216,19 @@ def test_one_process_can_train_in_two_precisions(tmp_path):
         _, student, sequences = setup()
         config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=4, trainable="mixers", precision=precision)
         summary = train(student, LMObjective("mixers"), sequences[:4], config, tmp_path / f"{i}-{precision}", progress=False)
-        assert summary["steps"] == 1
+        assert summary["steps"] == 1 and summary["precision"] == precision
+
+
+def test_the_summary_records_what_auto_precision_resolved_to(tmp_path, monkeypatch):
+    import recurformer.train.loop as loop
+
+    for amx, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(loop, "_cpu_has_amx", lambda amx=amx: amx)
+        _, student, sequences = setup()
+        config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=4, trainable="mixers", precision="auto",
+                             device="cpu")
+        train(student, LMObjective("mixers"), sequences[:4], config, tmp_path / expected, progress=False)
+        assert json.loads((tmp_path / expected / "train_summary.json").read_text())["precision"] == expected
 
 
 def test_labels_must_match_the_sequences(tmp_path):

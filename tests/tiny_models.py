@@ -118,10 +118,24 @@ WORDS = ("apple river stone cloud green house table water music light paper glas
          "desert feather hammer ladder meadow nickel oyster puzzle rocket sugar tunnel velvet walnut butter cotton").split()
 
 
+def ruler_prompts() -> list[str]:
+    """A few plain-format prompts of `run`'s RULER mix, with small haystacks of `WORDS`."""
+    from recurformer.evaluate.ruler import RUN_TASKS
+    from recurformer.tasks.ruler import TASKS, Sources, render
+
+    sources = Sources.from_text(" ".join(f"the {a} is near the {b}." for a, b in zip(WORDS, WORDS[1:])))
+    prompts = []
+    for name in RUN_TASKS.split(","):
+        for seed in range(3):
+            draw = TASKS[name].draw(random.Random(seed), sources)
+            prompts.append("".join(render("plain", None, TASKS[name], draw, TASKS[name].haystack(draw, 8, sources))))
+    return prompts
+
+
 def save_tiny_run_model(path, seed: int = 0):
     """A tiny Llama whose tokenizer (1,000 tokens, trained on the evaluation tasks' prompts
     and plain words) lets `recurformer run --quick` go through every stage, including the
-    HashHop, passkey and MQAR evaluations that `tiny_tokenizer` is too small for; returns
+    HashHop, passkey, RULER and MQAR evaluations that `tiny_tokenizer` is too small for; returns
     the path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -130,6 +144,7 @@ def save_tiny_run_model(path, seed: int = 0):
     from recurformer.tasks.hashhop import generate_hashhop
 
     text = [generate_hashhop(1, hops=1, n_chains=2, seed=s)[0].prompt for s in range(3)]
+    text += ruler_prompts()
     text += [passkey.EXAMPLE, " ".join(WORDS) * 5, "the quick brown fox jumps over the lazy dog ."]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

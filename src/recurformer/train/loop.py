@@ -240,11 +240,13 @@ def train(
     `weights` `[N, seq_len]`, if given, go with them too: each position's weight in the loss
     (the `lm` stage's; e.g. more on the answers of retrieval sequences).
 
-    Returns the summary (also written to `out_dir/train_summary.json`). The trained model is
+    Returns the summary (also written to `out_dir/train_summary.json`; `precision` is what
+    `config.precision` resolved to on this machine: `bf16` or `no`). The trained model is
     `objective.finish(...)` of the unwrapped module; saving it is the caller's job.
     """
     out_dir = Path(out_dir)
-    accelerator = _accelerator(resolve_precision(config.precision, config.device), config.device)
+    precision = resolve_precision(config.precision, config.device)
+    accelerator = _accelerator(precision, config.device)
     world, rank = accelerator.num_processes, accelerator.process_index
     per_process = config.batch_size // world
     require(per_process * world == config.batch_size, f"--batch-size {config.batch_size} is not divisible by {world} processes")
@@ -345,7 +347,7 @@ def train(
         "stage": config.stage, "steps": total, "tokens": total * tokens_per_step,
         "final_loss": last_loss if start_step < total else _last_logged_loss(out_dir / LOG),
         "elapsed_s": round(elapsed_before + time.monotonic() - started, 3),
-        "processes": world, "config": config.to_dict(),
+        "processes": world, "precision": precision, "config": config.to_dict(),
     }
     accelerator.wait_for_everyone()
     objective.finish(accelerator.unwrap_model(module))
