@@ -2,9 +2,9 @@
 the step-time probe, the report, and `recurformer generate`."""
 
 import json
-from dataclasses import replace
 import re
 import string
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -220,10 +220,8 @@ def test_one_process_can_train_in_two_precisions(tmp_path):
 
 
 def test_the_summary_records_what_auto_precision_resolved_to(tmp_path, monkeypatch):
-    import recurformer.train.loop as loop
-
     for amx, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(loop, "_cpu_has_amx", lambda amx=amx: amx)
+        monkeypatch.setattr("recurformer.train.loop._cpu_has_amx", lambda amx=amx: amx)
         _, student, sequences = setup()
         config = TrainConfig(stage="lm", steps=1, seq_len=SEQ, batch_size=4, trainable="mixers", precision="auto",
                              device="cpu")
