@@ -71,7 +71,7 @@ def test_the_table_scores_every_row_alike_and_pools_trainings(table):
                                                      pytest.approx(33.33, abs=0.01))]
     assert "- `conversion@0.5` - `window@0.5`: multi-request/exact +16.7 (" in text
     assert "`window@0.5` - `original`: multi-request/exact -66.7 (-66.7 to -66.7)" in text
-    assert "Still being measured (not in the table" in text and "`duo@0.5` (2 of 4 contexts)" in text
+    assert "Answered on part of the contexts (still being measured, or stopped once decided; not in the table" in text and "`duo@0.5` (2 of 4 contexts)" in text
     assert "`conversion@0.5` - `duo@0.5` (on the 2 contexts both have answered): multi-request/exact +16.7" in text
 
 

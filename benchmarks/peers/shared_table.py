@@ -94,7 +94,13 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-long-lm-retrieval25-lm26,kvzip@0.5",
                "conversion@0.5-long-lm-retrieval25-lm26,window@0.5",
                "conversion@0.5-long-lm-retrieval25,conversion@0.5-long-lm-retrieval25-transfer",
-               "conversion@0.5-long-lm-retrieval25-transfer,conversion@0.5-transfer")
+               "conversion@0.5-long-lm-retrieval25-transfer,conversion@0.5-transfer",
+               "conversion@0.5-retrieval25,original", "conversion@0.5-retrieval25,window@0.5",
+               "conversion@0.5-retrieval25,duo@0.5", "conversion@0.5-retrieval25,streaming@0.5",
+               "conversion@0.5-retrieval25-steps37-21,conversion@0.5-retrieval25",
+               "conversion@0.5-retrieval25-steps37-21,window@0.5",
+               "compose-global-kvzip@0.5-w25,kvzip@0.5", "compose-global-kvzip@0.5-w25,conversion@0.5-retrieval25",
+               "compose-global-kvzip@0.5-w25,original")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
@@ -208,8 +214,9 @@ class Table:
         unfinished = [f"`{name}` ({len(self.answered(name))} of {contexts} contexts)" for name in self.rows
                       if not self.finished(name)]
         if unfinished:
-            lines += ["", "Still being measured (not in the table; a comparison with them reads the contexts both rows "
-                      "have answered): " + ", ".join(unfinished) + "."]
+            lines += ["", "Answered on part of the contexts (still being measured, or stopped once decided; not in "
+                      "the table; a comparison with them reads the contexts both rows have answered): "
+                      + ", ".join(unfinished) + "."]
         lines += self.by_depth(flat)
         lines += self.more_contexts()
         stated = [self.compare(*pair.split(",")) for pair in COMPARISONS if all(n in self.rows for n in pair.split(","))]
