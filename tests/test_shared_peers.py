@@ -71,8 +71,21 @@ def test_the_table_scores_every_row_alike_and_pools_trainings(table):
                                                      pytest.approx(33.33, abs=0.01))]
     assert "- `conversion@0.5` - `window@0.5`: multi-request/exact +16.7 (" in text
     assert "`window@0.5` - `original`: multi-request/exact -66.7 (-66.7 to -66.7)" in text
-    assert "Answered on part of the contexts (still being measured, or stopped once decided; not in the table" in text and "`duo@0.5` (2 of 4 contexts)" in text
+    assert "Answered on part of the contexts (still being measured, or stopped once decided; not in the table" in text
+    assert "`duo@0.5` (2 of 4 contexts)" in text
     assert "`conversion@0.5` - `duo@0.5` (on the 2 contexts both have answered): multi-request/exact +16.7" in text
+
+
+def test_a_conversion_to_the_window_mixer_counts_as_untrained(table):
+    """A `conversion@B` row whose model is a plain `window` conversion has nothing to train: no
+    count in the table, and the plot draws it with the training-free windows."""
+    everything = [{0, 1, 2}] * 4
+    ours = rows_file(table, {"original": row(None, "original", everything),
+                             "conversion@0.75-cheap": {**row("0.75-cheap", "conversion", everything, cache=300),
+                                                       "label": "window (window 169 + 4 sinks), beta 0.26"}})
+    text, points = table.Table(ours, None).render()
+    assert "| window (window 169 + 4 sinks), beta 0.26 | - | 0.750 |" in main_table(text)["conversion@0.75-cheap"]
+    assert list(points) == ["original", "our `window`, no training, cheap"]
 
 
 def test_a_comparison_pairs_contexts(table):

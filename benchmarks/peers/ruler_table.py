@@ -241,7 +241,7 @@ def plot(points: dict[str, list[tuple[float, ...]]], path: Path, ylabel: str = "
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, axes = plt.subplots(figsize=(11, 5.5))
     colors = plt.get_cmap("tab10").colors
     for number, (method, values) in enumerate(sorted(points.items())):
         values = sorted(values)  # more than ten methods: the next ten take the colors again with another marker
@@ -252,10 +252,10 @@ def plot(points: dict[str, list[tuple[float, ...]]], path: Path, ylabel: str = "
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=7, loc="best")
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: many methods
     figure.tight_layout()
     with atomic_file(path) as temporary:
-        figure.savefig(temporary, format="png", dpi=120)
+        figure.savefig(temporary, format="png", dpi=120, bbox_inches="tight")
     plt.close(figure)
 
 

@@ -100,7 +100,10 @@ COMPARISONS = ("conversion@0.5,original", "conversion@0.5,window@0.5", "conversi
                "conversion@0.5-retrieval25-steps37-21,conversion@0.5-retrieval25",
                "conversion@0.5-retrieval25-steps37-21,window@0.5",
                "compose-global-kvzip@0.5-w25,kvzip@0.5", "compose-global-kvzip@0.5-w25,conversion@0.5-retrieval25",
-               "compose-global-kvzip@0.5-w25,original")
+               "compose-global-kvzip@0.5-w25,original", "compose-global-kvzip@0.5-w25,conversion@0.75-window",
+               "conversion@0.75-window,original", "conversion@0.75-window,kvzip@0.25",
+               "conversion@0.5-retrieval25,conversion@0.75-window",
+               "conversion@0.75-window-sinks64,conversion@0.75-window")
 
 
 def score(answers: dict, context: dict) -> dict[str, list[list[float]]]:
@@ -205,8 +208,10 @@ class Table:
             firsts = mean(self.measure(name, "multi-request/first"))
             by_kind = [mean([[c[k] for c in training] for training in self.measure(name, "by_kind")])
                        for k in KINDS]
-            trained = str(len(rows)) if first["kind"] == "conversion" else "-"
-            points.setdefault(kind_name(first["kind"], first["budget"]), []).append((fraction, head, low, high))
+            untrained = first["kind"] != "conversion" or first["label"].startswith("window (")  # nothing to train
+            trained = "-" if untrained else str(len(rows))
+            kind = "window" if first["kind"] == "conversion" and untrained else first["kind"]
+            points.setdefault(kind_name(kind, first["budget"]), []).append((fraction, head, low, high))
             lines.append(f"| `{name}` | {first['label']} | {trained} | {fraction:.3f} | **{head:.1f}** ({low:.1f}-"
                          f"{high:.1f}) | {head / top:.0%} | {turn[0]:.1f} ({turn[1]:.1f}-{turn[2]:.1f}) | "
                          f"{logp[0]:.3f} ({logp[1]:.3f} to {logp[2]:.3f}) | {firsts:.1f} | "
