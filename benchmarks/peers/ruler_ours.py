@@ -146,8 +146,8 @@ class Rows:
                 self.press.remove()
             self.press = KeptPress(base, press, keep, self.tokenizer, allocation)
             each = "on average, all heads ranked together" if allocation == "global" else "each"
-            return base, (f"the beta {beta_of(base):.2f} {base.config.mixer['kind']} conversion with {press} keeping {keep:.3f} of its kept "
-                          f"heads' tokens ({each}) at {context:,} tokens"), \
+            return base, (f"the beta {beta_of(base):.2f} {base.config.mixer['kind']} conversion with {press} keeping "
+                          f"{keep:.3f} of its kept heads' tokens ({each}) at {context:,} tokens"), \
                 round(per_token * int(context * keep) + state), self.press
         raise SystemExit(f"error: unknown row kind {kind!r}")
 

@@ -208,7 +208,8 @@ class Table:
             firsts = mean(self.measure(name, "multi-request/first"))
             by_kind = [mean([[c[k] for c in training] for training in self.measure(name, "by_kind")])
                        for k in KINDS]
-            untrained = first["kind"] != "conversion" or first["label"].startswith("window (")  # nothing to train
+            # a conversion's label starts with its mixer kind (ruler_ours.Rows.build); `window` has nothing to train
+            untrained = first["kind"] != "conversion" or first["label"].startswith("window (")
             trained = "-" if untrained else str(len(rows))
             kind = "window" if first["kind"] == "conversion" and untrained else first["kind"]
             points.setdefault(kind_name(kind, first["budget"]), []).append((fraction, head, low, high))
