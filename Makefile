@@ -5,6 +5,10 @@ BIN    := $(VENV)/bin
 # CPU wheel pinned: an unpinned torch pulls several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# Triton for the tests only: its interpreter runs the GPU's decode kernels on the CPU
+# (tests/ops). 3.8 or later: 3.6's interpreter fails under numpy 2.4.
+TRITON ?= triton>=3.8
+TRITON_STAMP := $(VENV)/.triton
 
 .PHONY: install test smoke test-all demo bench clean gpu-check
 
@@ -17,8 +21,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test,gguf,lora,eval,datasets]"
 	touch $(STAMP)
 
+# Where Triton cannot be installed the tests that need it are skipped, with a note.
+$(TRITON_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet "$(TRITON)" || echo "Triton not installed: the checks of the GPU kernels in its interpreter will be skipped"
+	touch $(TRITON_STAMP)
+
 # The fast suite: tiny random models, no network, no real model.
-test: install
+test: install $(TRITON_STAMP)
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 # The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError
@@ -19,6 +20,7 @@ from recurformer.ops import kernels
 from recurformer.ops.decode_attention import decode_attention
 from recurformer.ops.ssd import ssd, ssd_naive
 from recurformer.ops.step import mamba2_step
+from recurformer.ops.token_write import write_token
 from recurformer.ops.window import window_attention, window_attention_naive
 from recurformer.ops.window.ring_step import ring_slot, ring_step, ring_step_torch
 from recurformer.surgery import convert
@@ -280,6 +282,29 @@ def test_decode_attention_on_the_device_matches_the_oracle(device, dtype):
     ref = F.scaled_dot_product_attention(query, keys, values, attn_mask=seen, scale=128**-0.5)
     out = decode_attention(*(t.to(device, dtype) for t in (query, keys, values)), seen.to(device), 128**-0.5)
     assert out.dtype == dtype and relative(out, ref) <= BOUND[dtype]
+    # the query rotated inside the kernel, as transformers rotates it before attention
+    cos, sin = torch.randn(2, 128, generator=g), torch.randn(2, 128, generator=g)
+    turned, _ = apply_rotary_pos_emb(query, query, cos[:, None], sin[:, None])
+    ref = F.scaled_dot_product_attention(turned, keys, values, attn_mask=seen, scale=128**-0.5)
+    out = decode_attention(*(t.to(device, dtype) for t in (query, keys, values)), seen.to(device), 128**-0.5,
+                           (cos.to(device, dtype), sin.to(device, dtype)))
+    assert relative(out, ref) <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_cache_write_on_the_device_matches_the_oracle(device, dtype):
+    """A static decode step's key (rotated on the way) and value written into the kept
+    heads' buffers (on a GPU one Triton kernel) at a Llama-8B group shape."""
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 8, 128, generator=g), torch.randn(2, 8, 128, generator=g)
+    cos, sin = torch.randn(2, 128, generator=g), torch.randn(2, 128, generator=g)
+    keys, values = torch.zeros(2, 8, 300, 128), torch.zeros(2, 8, 300, 128)
+    placed = [t.to(device, dtype) for t in (keys, values)]
+    write_token(*placed, k.to(device, dtype), v.to(device, dtype), torch.tensor([217], device=device),
+                (cos.to(device, dtype), sin.to(device, dtype)))
+    turned, _ = apply_rotary_pos_emb(k, k, cos, sin)
+    assert relative(placed[0][:, :, 217], turned) <= BOUND[dtype] and relative(placed[1][:, :, 217], v) <= BOUND[dtype]
+    assert not placed[0][:, :, :217].any() and not placed[1][:, :, 218:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -312,6 +337,14 @@ def test_the_mixer_steps_on_the_device_match_the_oracle(device, dtype):
     ref = ring_step_torch(q, k, v, *ring, window, sinks, dim**-0.5)
     placed = [keys.to(device).clone(), values.to(device).clone(), index.to(device).clone()]
     out = ring_step(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), *placed, window, sinks, dim**-0.5)
+    assert relative(out, ref) <= BOUND[dtype] and torch.equal(placed[2].cpu(), ring[2])
+    assert relative(placed[0], ring[0]) <= BOUND[dtype]
+    # q and k rotated inside the kernels, as transformers rotates them
+    cos, sin = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
+    turned_q, turned_k = apply_rotary_pos_emb(q, k, cos, sin)
+    ref = ring_step_torch(turned_q, turned_k, v, *ring, window, sinks, dim**-0.5)
+    out = ring_step(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), *placed, window, sinks, dim**-0.5,
+                    (cos.to(device, dtype), sin.to(device, dtype)))
     assert relative(out, ref) <= BOUND[dtype] and torch.equal(placed[2].cpu(), ring[2])
     assert relative(placed[0], ring[0]) <= BOUND[dtype]
 

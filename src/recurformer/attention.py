@@ -198,14 +198,15 @@ class HybridAttention(nn.Module):
         layer = cache.layers[self.layer_idx]
         parts: list[Tensor] = []
         if self.has_attention:
-            shape = (batch, 1, -1, self.head_dim)
-            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hq_kept, 1, D]
-            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [B, Hkv_kept, 1, D]
-            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-            keys, values, visible = layer.append_static(k, v, self.sliding_window)
+            shape = (batch, -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape)  # [B, Hq_kept, D]
+            k = self.k_proj(hidden_states).view(shape)  # [B, Hkv_kept, D]
+            v = self.v_proj(hidden_states).view(shape)
+            rotary = position_embeddings[0][:, 0], position_embeddings[1][:, 0]  # [B or 1, D] each
+            # RoPE inside the write and the attention: on a GPU, kernels that rotate as they load
+            keys, values, visible = layer.append_static(k, v, self.sliding_window, rotary)
             groups = keys.shape[1]
-            out = decode_attention(q.reshape(batch, groups, -1, self.head_dim), keys, values, visible, self.scaling)
+            out = decode_attention(q.view(batch, groups, -1, self.head_dim), keys, values, visible, self.scaling, rotary)
             parts.append(out.reshape(batch, 1, -1))
         else:
             layer.length += 1  # no K/V, but the count goes on

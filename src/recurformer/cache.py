@@ -18,6 +18,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from .mixers import Mixer, MixerState
+from .ops.rope import Rotary
+from .ops.token_write import write_token
 
 
 # transformers 5.24 renamed the cache argument of models and layers (and the key of
@@ -102,14 +104,15 @@ class HybridLayer(DynamicLayer):
         batch = self._key_buffer.shape[0]
         self._starts = torch.zeros(batch, 1, dtype=torch.long, device=device) if starts is None else starts.view(batch, 1)
 
-    def append_static(self, key_states: Tensor, value_states: Tensor,
-                      sliding_window: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """A static decode step's token: write its key and value `[B, kept_kv_heads, 1, D]` at
-        slot `length` and count it, all on the device; return the whole buffers `[B, kept, C, D]`
-        and which slots each row sees `[B, 1, 1, C]` (bool: from its start up to the token, and
-        within the layer's `sliding_window` last tokens where it has one)."""
-        self._key_buffer.index_copy_(2, self.length, key_states)
-        self._value_buffer.index_copy_(2, self.length, value_states)
+    def append_static(self, key_states: Tensor, value_states: Tensor, sliding_window: int | None = None,
+                      rotary: Rotary | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """A static decode step's token: write its key and value `[B, kept_kv_heads, D]` at slot
+        `length` (the key rotated first by `rotary`, the token's (cos, sin) `[B or 1, D]`, where
+        given; one kernel on a GPU, `ops/token_write`) and count it, all on the device; return
+        the whole buffers `[B, kept, C, D]` and which slots each row sees `[B, 1, 1, C]` (bool:
+        from its start up to the token, and within the layer's `sliding_window` last tokens
+        where it has one)."""
+        write_token(self._key_buffer, self._value_buffer, key_states, value_states, self.length, rotary)
         self.length += 1
         visible = (self._slots >= self._starts) & (self._slots < self.length)
         if sliding_window is not None:

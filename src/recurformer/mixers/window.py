@@ -163,13 +163,16 @@ class WindowMixer(Mixer):
     def step(self, x: Tensor, state: MixerState, position_embeddings: PositionEmbeddings | None = None) -> Tensor:
         """One token, written into its ring slot in place, then attending over the buffer:
         one compiled call when the kernels are built (`ops/window_step`); else the
-        projections and RoPE here and `ops/window/ring_step` (Triton on a GPU, PyTorch
+        projections here and `ops/window/ring_step` with RoPE (Triton on a GPU, PyTorch
         elsewhere), each KV group's query heads as that group's queries, so no key or value
         is repeated per head."""
         kernel = compiled_step(self, x)
         if kernel is not None:
             return kernel(x, *rotary(position_embeddings), state)
-        q, k, v = self._project(x[:, None], position_embeddings)  # [B, H, 1, D], [B, 1, G, D], [B, 1, G, D]
-        out = ring_step(q[:, :, 0], k[:, 0], v[:, 0], state["keys"], state["values"], state["index"], self.window,
-                        self.sinks, self.scaling)
-        return out.reshape(x.shape[0], self.d_out)
+        batch = x.shape[0]
+        q = self.q_proj(x).view(batch, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, self.n_kv_heads, self.head_dim)
+        out = ring_step(q, k, v, state["keys"], state["values"], state["index"], self.window, self.sinks, self.scaling,
+                        rotary(position_embeddings))
+        return out.reshape(batch, self.d_out)

@@ -108,7 +108,7 @@ class WindowRecurrentMixer(Mixer):
             return kernel(x, *rotary(position_embeddings), {name: state[key] for name, key in names.items()})
         window = self.window.step(x, self._part(state, "window."), position_embeddings)
         tail = self.recurrent.step(x, self._part(state, "recurrent."), position_embeddings)
-        return window + self.gate * tail
+        return torch.addcmul(window, self.gate, tail)  # window + gate * tail, one kernel where it was two
 
 
 @register_mixer("window+mamba")

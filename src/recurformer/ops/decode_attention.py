@@ -8,10 +8,11 @@ queries of a KV group attend over it in one Triton program (online softmax, fp32
 splits' outputs are merged by their log-sum-exp ("flash decoding"). Each K/V head is read
 once for all the query heads of its group. Two launches in all: the splits, then their merge.
 
-    decode_attention(q, k, v, visible, scale)
+    decode_attention(q, k, v, visible, scale, rotary=None)
         q `[B, G, Q, D]` (the Q query heads of each of G KV groups), k and v `[B, G, C, D]`,
         visible bool broadcastable to `[B, G, 1, C]` (True: the query sees that slot)
-        -> `[B, G, Q, D]` in q's dtype
+        -> `[B, G, Q, D]` in q's dtype; `rotary`: the token's (cos, sin), each `[B or 1, D]`,
+        to rotate q with first (None: q is rotated; the kernel rotates it as it loads it)
 
 On a CUDA tensor with Triton present: the split kernel (its first call compiles it; a
 kernel that fails falls back to SDPA with a one-line notice, `ops/triton_kernels.py`); anywhere else:
@@ -26,29 +27,36 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .rope import Rotary, rotate, row_stride
 from .triton_kernels import run, takes, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .rope import rotate_in_kernel
+
 BLOCK_KEYS = 64  # keys a program loads at once
 KERNEL = "split decode attention"
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
+                     rotary: Rotary | None = None) -> Tensor:
     """See the module docstring."""
     if q.shape[2] <= 64 and takes(KERNEL, q, k, v):
-        return run(KERNEL, split_decode_attention, sdpa_decode_attention, q, k, v, visible, scale)
-    return sdpa_decode_attention(q, k, v, visible, scale)
+        return run(KERNEL, split_decode_attention, sdpa_decode_attention, q, k, v, visible, scale, rotary)
+    return sdpa_decode_attention(q, k, v, visible, scale, rotary)
 
 
-def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+def sdpa_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
+                          rotary: Rotary | None = None) -> Tensor:
     """The same through SDPA: the path off the GPU, and the kernel's oracle."""
+    if rotary is not None:
+        q = rotate(q.flatten(1, 2), *rotary).view(q.shape)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
 
 
 def split_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
-                           splits: int | None = None) -> Tensor:
+                           rotary: Rotary | None = None, splits: int | None = None) -> Tensor:
     """The split kernel itself (Triton: a GPU, or its interpreter with `TRITON_INTERPRET=1`);
     `splits`: how many pieces the keys are cut into (default: enough programs to fill the
     GPU twice over)."""
@@ -62,12 +70,13 @@ def split_decode_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, sca
     seen = visible.expand(batch, groups, 1, length).view(torch.uint8)
     partial = torch.empty(batch, groups, splits, queries, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, groups, splits, queries, dtype=torch.float32, device=q.device)
+    cos, sin = (q, q) if rotary is None else rotary  # not read without `ROTATE`
     _split_kernel[(batch * groups, splits)](
-        q, k, v, seen, partial, lse,
+        q, k, v, seen, partial, lse, cos, sin, 0 if rotary is None else row_stride(rotary),
         groups, queries, length, dim, span, scale,
         *q.stride(), *k.stride(), *v.stride(), seen.stride(0), seen.stride(1), seen.stride(3),
         BLOCK_Q=max(16, triton.next_power_of_2(queries)), BLOCK_N=BLOCK_KEYS,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=q.dtype == torch.float32,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=q.dtype == torch.float32, ROTATE=rotary is not None,
     )
     out = torch.empty(batch, groups, queries, dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(batch * groups,)](partial, lse, out, splits, queries, dim,
@@ -99,18 +108,24 @@ if triton is not None:
         return new_best, total, acc
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, seen_ptr, out_ptr, lse_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, seen_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr, cos_stride,
                       groups, queries, length, dim, span, scale,
                       sqb, sqg, sqq, sqd, skb, skg, skc, skd, svb, svg, svc, svd, smb, smg, smc,
-                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-        """Program (row x group, split): the group's queries over keys [split * span, +span)
-        -> their softmax-weighted values, normalized within the split, and the split's
-        log-sum-exp (-1e30 where it sees no key)."""
+                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                      ROTATE: tl.constexpr):
+        """Program (row x group, split): the group's queries (rotated first with `ROTATE`, in
+        their dtype) over keys [split * span, +span) -> their softmax-weighted values,
+        normalized within the split, and the split's log-sum-exp (-1e30 where it sees no key)."""
         row_group, split = tl.program_id(0), tl.program_id(1)
         b, g = row_group // groups, row_group % groups
         iq, idim = tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_D)
         q_mask = (iq[:, None] < queries) & (idim[None, :] < dim)
-        query = tl.load(q_ptr + b * sqb + g * sqg + iq[:, None] * sqq + idim[None, :] * sqd, mask=q_mask, other=0.0)
+        q_rows = q_ptr + b * sqb + g * sqg + iq[:, None] * sqq
+        query = tl.load(q_rows + idim[None, :] * sqd, mask=q_mask, other=0.0)
+        if ROTATE:
+            partner = tl.load(q_rows + ((idim[None, :] + dim // 2) % dim) * sqd, mask=q_mask, other=0.0)
+            query = rotate_in_kernel(query, partner, idim[None, :], dim, cos_ptr + b * cos_stride,
+                                     sin_ptr + b * cos_stride, q_mask).to(q_ptr.dtype.element_ty)
         best = tl.full((BLOCK_Q,), -1e30, tl.float32)
         total = tl.zeros((BLOCK_Q,), tl.float32)
         acc = tl.zeros((BLOCK_Q, BLOCK_D), tl.float32)

@@ -1,0 +1,74 @@
+"""A whole static decode step on the GPU's paths, checked on the CPU: with
+`triton_kernels.interpret_on_the_cpu()` every Triton kernel of the step (the kept heads'
+cache write and split attention, with RoPE inside them; the window's ring-buffer write and
+attention; the mamba2 step) runs through Triton's interpreter, in a subprocess (the
+interpreter is chosen when a kernel is defined), and the logits must be those of the
+ordinary PyTorch decode: for a left-padded batch, on Llama (GQA) and Qwen2 (q/k/v biases)."""
+
+import textwrap
+from pathlib import Path
+
+from triton_interpreter import needs_triton, worst_error
+
+CHECK = textwrap.dedent("""
+    import os
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from tiny_models import MIXERS, open_gates, spec_for, tiny_model
+    from triton.runtime.interpreter import InterpretedFunction
+    from recurformer.cache import CACHE_ARGUMENT, HybridCache
+    from recurformer.decode_graph import DecodeGraph
+    from recurformer.ops import kernels, triton_kernels
+    from recurformer.surgery import convert
+
+    os.environ[kernels.ENV] = "torch"  # the PyTorch paths, which the Triton kernels replace on a GPU
+    kernels.reset()
+    launched = set()
+    launch = InterpretedFunction.run
+    def counted(self, *args, **kwargs):
+        launched.add(self.__name__)
+        return launch(self, *args, **kwargs)
+    InterpretedFunction.run = counted
+
+    def decode(converted, ids, mask, new, graphed):
+        width = ids.shape[1]
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            cache = HybridCache(2)
+            converted(ids, attention_mask=mask, position_ids=positions, **{{CACHE_ARGUMENT: cache}})
+            step_mask, position, logits = mask, positions[:, -1:], []
+            graph = DecodeGraph(converted, cache, width + new.shape[1], width - mask.sum(1)) if graphed else None
+            for t in range(new.shape[1]):
+                position = position + 1
+                if graphed:
+                    logits.append(graph(new[:, t:t + 1], position))
+                else:
+                    step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+                    logits.append(converted(new[:, t:t + 1], attention_mask=step_mask, position_ids=position,
+                                            **{{CACHE_ARGUMENT: cache}}).logits)
+        return torch.cat(logits, 1)
+
+    torch.manual_seed(0)
+    cases = []
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch)
+        converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random"))
+        ids, mask = torch.randint(1, 97, (2, 40)), torch.ones(2, 40, dtype=torch.long)
+        mask[1, :15] = 0  # the second prompt is 25 tokens, left-padded
+        cases.append((converted, ids, mask, torch.randint(1, 97, (2, 12))))
+    expected = [decode(*case, graphed=False) for case in cases]  # PyTorch: the kernels not taken yet
+    assert not launched
+    triton_kernels.interpret_on_the_cpu()
+    worst = max(float((decode(*case, graphed=True) - ref).norm() / ref.norm()) for case, ref in zip(cases, expected))
+    assert not triton_kernels._failed, triton_kernels._failed
+    kernels_of_the_step = {{"_split_kernel", "_merge_kernel", "_cache_write_kernel", "_write_kernel", "_attend_kernel",
+                           "_step_kernel"}}
+    assert kernels_of_the_step <= launched, sorted(launched)
+    print(worst)
+""").format(tests=str(Path(__file__).resolve().parents[1]))
+
+
+@needs_triton
+def test_the_static_step_with_every_triton_kernel_decodes_as_pytorch():
+    assert worst_error(CHECK) <= 1e-5
