@@ -473,3 +473,15 @@ def test_a_full_decode_graph_is_refused():
     graph(torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), 10))
     with pytest.raises(ValueError, match="the cache is full"):
         graph(torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), 11))
+
+
+def test_a_decode_graph_over_a_cache_of_other_layers_is_refused():
+    """The last layer counts each token for every layer (`StaticSteps`): a cache with a layer
+    more than the model would never count."""
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"])
+    cache = HybridCache(3)
+    with torch.no_grad():
+        converted(torch.randint(0, 97, (1, 10)), **{CACHE_ARGUMENT: cache})
+    with pytest.raises(ValueError, match="the cache has 3 layers, the model 2"):
+        DecodeGraph(converted, cache, capacity=20)

@@ -81,7 +81,7 @@ def test_equal_counts_hide_nothing():
     assert layer.evicted is None and layer.attention_bias(8, torch.float32) is None
     with pytest.raises(ValueError, match="uneven"):
         layer.keep_tokens(torch.arange(6).expand(1, heads, 6), torch.tensor([[6] + [2] * (heads - 1)]))
-        layer.make_static(16)
+        cache.make_static(16)
 
 
 @pytest.fixture(scope="module")

@@ -191,9 +191,10 @@ class HybridAttention(nn.Module):
         return self.o_proj(torch.cat(parts, dim=-1)), weights
 
     def _static_decode(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], cache: HybridCache) -> Tensor:
-        """One token `[B, 1, hidden]` over a static cache (`HybridLayer.make_static`): the kept
+        """One token `[B, 1, hidden]` over a static cache (`HybridCache.make_static`): the kept
         heads attend over the whole buffer, each row its visible slots, and the mixer steps;
-        nothing depends on a Python value or waits for the device (`decode_graph.py`)."""
+        nothing depends on a Python value or waits for the device (`decode_graph.py`). The
+        layers share the filled length, which the last one advances."""
         batch = hidden_states.shape[0]
         layer = cache.layers[self.layer_idx]
         parts: list[Tensor] = []
@@ -208,11 +209,11 @@ class HybridAttention(nn.Module):
             groups = keys.shape[1]
             out = decode_attention(q.view(batch, groups, -1, self.head_dim), keys, values, visible, self.scaling, rotary)
             parts.append(out.reshape(batch, 1, -1))
-        else:
-            layer.length += 1  # no K/V, but the count goes on
         if self.mixer is not None:
             state = cache.mixer_state(self.layer_idx, self.mixer, batch, hidden_states.dtype, hidden_states.device)
             parts.append(self.mixer.step(hidden_states[:, 0], state, position_embeddings)[:, None])
+        if self.layer_idx == len(cache.layers) - 1:
+            layer.steps.advance()  # every layer has written the token at the same slot: count it once
         return self.o_proj(torch.cat(parts, dim=-1))
 
     def _compiled_decode(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], attention_mask: Tensor | None,

@@ -28,6 +28,34 @@ from .ops.token_write import write_token
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
+class StaticSteps:
+    """[ours] What every layer of a static cache shares (`HybridCache.make_static`): the
+    filled length `[1]` and each row's first real slot `[B, 1]`, on the device, and which
+    slots a decode step's token sees, computed once a step for all layers (once per sliding
+    window) where each layer computed its own: on a GPU four launches a layer fewer. The
+    step's token takes slot `length` in every layer; the last layer counts it (`advance`)."""
+
+    def __init__(self, tokens: int, capacity: int, starts: Tensor, device) -> None:
+        self.length = torch.tensor([tokens], device=device)
+        self.slots = torch.arange(capacity, device=device)
+        self.starts = starts
+        self._visible: dict[int | None, Tensor] = {}
+
+    def visible(self, sliding_window: int | None = None) -> Tensor:
+        """`[B, 1, 1, C]` bool: the slots from each row's start up to this step's token, and
+        within the last `sliding_window` tokens where given."""
+        if None not in self._visible:
+            self._visible[None] = ((self.slots >= self.starts) & (self.slots <= self.length))[:, None, None, :]
+        if sliding_window not in self._visible:
+            self._visible[sliding_window] = self._visible[None] & (self.slots > self.length - sliding_window)
+        return self._visible[sliding_window]
+
+    def advance(self) -> None:
+        """The step's token counted in every layer: the next step writes and sees one slot more."""
+        self.length += 1
+        self._visible.clear()
+
+
 class HybridLayer(DynamicLayer):
     """One decoder layer's cache: a growing K/V for kept heads and a fixed-size mixer state.
 
@@ -49,9 +77,7 @@ class HybridLayer(DynamicLayer):
         self.tokens = 0  # counted here: a layer without kept heads stores no K/V to count
         self._key_buffer: Tensor | None = None
         self._value_buffer: Tensor | None = None
-        self.length: Tensor | None = None  # static decoding (`make_static`): the filled slots, on the device
-        self._slots: Tensor | None = None
-        self._starts: Tensor | None = None
+        self.steps: StaticSteps | None = None  # static decoding (`make_static`), shared by every layer
         self.evicted: Tensor | None = None  # bool [B, kept_kv_heads, n]: slots hidden from a head (`keep_tokens`)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -81,43 +107,38 @@ class HybridLayer(DynamicLayer):
         self._view()
         return self._key_buffer, self._value_buffer, self.tokens
 
-    def make_static(self, capacity: int, starts: Tensor | None = None) -> None:
-        """[ours] Decode from here on with buffers of `capacity` tokens whose filled length is a
-        device tensor (`append_static`), so that a step depends on no Python value and can be
-        captured in a CUDA graph (`decode_graph.py`). `starts` `[B]`: each row's first real
-        slot (left padding; default 0). The prefill must have run (the buffers exist)."""
+    def check_static(self, capacity: int) -> None:
+        """Why this layer cannot decode statically with `capacity` tokens (a ValueError), if it cannot."""
         if self._key_buffer is None:
             raise ValueError("make_static: prefill first (the layer holds no keys yet)")
         if self.evicted is not None:
             raise ValueError("make_static: the heads keep uneven counts of tokens (keep_tokens with counts)")
         if capacity < self.tokens:
             raise ValueError(f"make_static: capacity {capacity} < the {self.tokens} tokens held")
-        if self._key_buffer.shape[-2] < capacity:
+
+    def make_static(self, capacity: int, steps: StaticSteps) -> None:
+        """[ours] Decode from here on with buffers of `capacity` tokens whose filled length is a
+        device tensor shared by all layers (`steps`, `append_static`), so that a step depends
+        on no Python value and can be captured in a CUDA graph (`decode_graph.py`)."""
+        self.check_static(capacity)
+        if self._key_buffer.shape[-2] != capacity:
             self._reallocate(self._key_buffer.shape[0], capacity)
         # the slots not written yet hold whatever the allocator left, NaN included, and a masked
         # slot still enters SDPA's sum with weight 0: 0 * NaN would be NaN
         self._key_buffer[:, :, self.tokens:].zero_()
         self._value_buffer[:, :, self.tokens:].zero_()
-        device = self._key_buffer.device
-        self.length = torch.tensor([self.tokens], device=device)
-        self._slots = torch.arange(self._key_buffer.shape[-2], device=device)
-        batch = self._key_buffer.shape[0]
-        self._starts = torch.zeros(batch, 1, dtype=torch.long, device=device) if starts is None else starts.view(batch, 1)
+        self.steps = steps
 
     def append_static(self, key_states: Tensor, value_states: Tensor, sliding_window: int | None = None,
                       rotary: Rotary | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """A static decode step's token: write its key and value `[B, kept_kv_heads, D]` at slot
-        `length` (the key rotated first by `rotary`, the token's (cos, sin) `[B or 1, D]`, where
-        given; one kernel on a GPU, `ops/token_write`) and count it, all on the device; return
-        the whole buffers `[B, kept, C, D]` and which slots each row sees `[B, 1, 1, C]` (bool:
-        from its start up to the token, and within the layer's `sliding_window` last tokens
-        where it has one)."""
-        write_token(self._key_buffer, self._value_buffer, key_states, value_states, self.length, rotary)
-        self.length += 1
-        visible = (self._slots >= self._starts) & (self._slots < self.length)
-        if sliding_window is not None:
-            visible &= self._slots >= self.length - sliding_window
-        return self._key_buffer, self._value_buffer, visible[:, None, None, :]
+        `steps.length` (the key rotated first by `rotary`, the token's (cos, sin) `[B or 1, D]`,
+        where given; one kernel on a GPU, `ops/token_write`), on the device; return the whole
+        buffers `[B, kept, C, D]` and which slots each row sees `[B, 1, 1, C]` (bool: from its
+        start up to the token, and within the layer's `sliding_window` last tokens where it has
+        one). The last layer counts the token (`StaticSteps.advance`)."""
+        write_token(self._key_buffer, self._value_buffer, key_states, value_states, self.steps.length, rotary)
+        return self._key_buffer, self._value_buffer, self.steps.visible(sliding_window)
 
     def repeat_rows(self, batch: int, capacity: int) -> None:
         """`HybridCache.repeat_rows` for this layer: its one row made `batch` rows, K/V buffers of
@@ -163,14 +184,14 @@ class HybridLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         """Tokens seen (in static decoding read from the device: a synchronization)."""
-        return self.tokens if self.length is None else int(self.length)
+        return self.tokens if self.steps is None else int(self.steps.length)
 
     def reset(self) -> None:
         super().reset()
         self.mixer_state = None
         self.tokens = 0
         self._key_buffer = self._value_buffer = None
-        self.length = self._slots = self._starts = self.evicted = None
+        self.steps = self.evicted = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0 and self.mixer_state is not None:
@@ -266,13 +287,21 @@ class HybridCache(Cache):
             layer.repeat_rows(batch, capacity)
 
     def make_static(self, capacity: int, starts: Tensor | None = None) -> None:
-        """Every layer decodes statically from here on (`HybridLayer.make_static`)."""
+        """Every layer decodes statically from here on (`HybridLayer.make_static`), their filled
+        length and visible slots shared (`StaticSteps`). `starts` `[B]`: each row's first real
+        slot (left padding; default 0). The prefill must have run (the buffers exist)."""
         for layer in self.layers:
-            layer.make_static(capacity, starts)
+            layer.check_static(capacity)
+        first = self.layers[0]
+        batch, device = first._key_buffer.shape[0], first._key_buffer.device
+        starts = torch.zeros(batch, 1, dtype=torch.long, device=device) if starts is None else starts.view(batch, 1)
+        steps = StaticSteps(first.tokens, capacity, starts, device)
+        for layer in self.layers:
+            layer.make_static(capacity, steps)
 
     @property
     def is_static(self) -> bool:
-        return self.layers[0].length is not None
+        return self.layers[0].steps is not None
 
     @property
     def batch_size(self) -> int:

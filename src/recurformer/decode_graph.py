@@ -80,6 +80,9 @@ class DecodeGraph:
     step (`static_step`) as a `GraphedStep`."""
 
     def __init__(self, model, cache: HybridCache, capacity: int, starts: Tensor | None = None):
+        layers = len(model.model.layers)
+        if len(cache.layers) != layers:  # the last layer counts each token for all (`StaticSteps`)
+            raise ValueError(f"DecodeGraph: the cache has {len(cache.layers)} layers, the model {layers}")
         cache.make_static(capacity, starts)
         self.cache, self.capacity, self.steps = cache, capacity, 0
         self.step = GraphedStep(lambda ids, positions: static_step(model, ids, positions, cache), cache.batch_size,
