@@ -21,7 +21,6 @@ from .mixers import Mixer, MixerState
 from .ops.rope import Rotary
 from .ops.token_write import write_token
 
-
 # transformers 5.24 renamed the cache argument of models and layers (and the key of
 # `generate`'s model kwargs) from `past_key_values` to `cache`, the old name deprecated: we
 # pass and read whichever the installed version's models take.
