@@ -5,7 +5,7 @@ and the GPU kernels against their oracles within 1e-4 relative in fp32, 2e-2 in 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
+from tiny_models import MIXERS, decode_after_prefill, open_gates, spec_for, tiny_model, tiny_tokenizer
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -396,24 +396,9 @@ def test_graphed_decode_equals_the_dynamic_decode(device, arch, mixer):
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    runs = []
-    for graphed in (False, True):
-        with torch.no_grad():
-            cache = HybridCache(2)
-            converted(ids, attention_mask=mask, position_ids=positions, **{CACHE_ARGUMENT: cache})
-            step_mask, position, logits = mask, positions[:, -1:], []
-            graph = DecodeGraph(converted, cache, capacity=width + 12, starts=width - mask.sum(1)) if graphed else None
-            for t in range(12):
-                position = position + 1
-                if graphed:
-                    logits.append(graph(new[:, t:t + 1], position))
-                else:
-                    step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
-                    logits.append(converted(new[:, t:t + 1], attention_mask=step_mask, position_ids=position,
-                                            **{CACHE_ARGUMENT: cache}).logits)
-        runs.append(torch.cat(logits, 1))
-    assert relative(runs[1], runs[0]) <= BOUND[torch.float32]
+    dynamic, _ = decode_after_prefill(converted, ids, mask, new, graphed=False)
+    graphed, cache = decode_after_prefill(converted, ids, mask, new, graphed=True)
+    assert relative(graphed, dynamic) <= BOUND[torch.float32]
     assert cache.get_seq_length() == width + 12
 
 

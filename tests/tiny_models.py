@@ -15,7 +15,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ReplacementSpec
+from recurformer.decode_graph import DecodeGraph
 from recurformer.mixers import MIXER_KINDS, HeadShape, MixerConfig, build_mixer
 
 COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
@@ -158,3 +160,26 @@ def save_tiny_run_model(path, seed: int = 0):
     model.save_pretrained(path)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>").save_pretrained(path)
     return path
+
+
+@torch.no_grad()
+def decode_after_prefill(model, ids: torch.Tensor, mask: torch.Tensor, new: torch.Tensor,
+                         graphed: bool) -> tuple[torch.Tensor, HybridCache]:
+    """Logits `[B, T, V]` of the tokens `new` `[B, T]` decoded one at a time after a prefill of
+    the left-padded `ids` (`mask`: 1 for a token), with the ordinary decode or with
+    `DecodeGraph`'s static steps; and the cache."""
+    width, steps = ids.shape[1], new.shape[1]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = HybridCache(model.config.text_config.num_hidden_layers)
+    model(ids, attention_mask=mask, position_ids=positions, **{CACHE_ARGUMENT: cache})
+    step_mask, position, logits = mask, positions[:, -1:], []
+    graph = DecodeGraph(model, cache, capacity=width + steps, starts=width - mask.sum(1)) if graphed else None
+    for t in range(steps):
+        position = position + 1
+        if graphed:
+            logits.append(graph(new[:, t:t + 1], position))
+        else:
+            step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+            logits.append(model(new[:, t:t + 1], attention_mask=step_mask, position_ids=position,
+                                **{CACHE_ARGUMENT: cache}).logits)
+    return torch.cat(logits, 1), cache

@@ -15,10 +15,8 @@ CHECK = textwrap.dedent("""
     import sys
     import torch
     sys.path.insert(0, {tests!r})
-    from tiny_models import MIXERS, open_gates, spec_for, tiny_model
+    from tiny_models import MIXERS, decode_after_prefill, open_gates, spec_for, tiny_model
     from triton.runtime.interpreter import InterpretedFunction
-    from recurformer.cache import CACHE_ARGUMENT, HybridCache
-    from recurformer.decode_graph import DecodeGraph
     from recurformer.ops import kernels, triton_kernels
     from recurformer.surgery import convert
 
@@ -31,24 +29,6 @@ CHECK = textwrap.dedent("""
         return launch(self, *args, **kwargs)
     InterpretedFunction.run = counted
 
-    def decode(converted, ids, mask, new, graphed):
-        width = ids.shape[1]
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        with torch.no_grad():
-            cache = HybridCache(2)
-            converted(ids, attention_mask=mask, position_ids=positions, **{{CACHE_ARGUMENT: cache}})
-            step_mask, position, logits = mask, positions[:, -1:], []
-            graph = DecodeGraph(converted, cache, width + new.shape[1], width - mask.sum(1)) if graphed else None
-            for t in range(new.shape[1]):
-                position = position + 1
-                if graphed:
-                    logits.append(graph(new[:, t:t + 1], position))
-                else:
-                    step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
-                    logits.append(converted(new[:, t:t + 1], attention_mask=step_mask, position_ids=position,
-                                            **{{CACHE_ARGUMENT: cache}}).logits)
-        return torch.cat(logits, 1)
-
     torch.manual_seed(0)
     cases = []
     for arch in ("llama", "qwen2"):
@@ -57,10 +37,11 @@ CHECK = textwrap.dedent("""
         ids, mask = torch.randint(1, 97, (2, 40)), torch.ones(2, 40, dtype=torch.long)
         mask[1, :15] = 0  # the second prompt is 25 tokens, left-padded
         cases.append((converted, ids, mask, torch.randint(1, 97, (2, 12))))
-    expected = [decode(*case, graphed=False) for case in cases]  # PyTorch: the kernels not taken yet
+    expected = [decode_after_prefill(*case, graphed=False)[0] for case in cases]  # PyTorch: no kernel taken yet
     assert not launched
     triton_kernels.interpret_on_the_cpu()
-    worst = max(float((decode(*case, graphed=True) - ref).norm() / ref.norm()) for case, ref in zip(cases, expected))
+    worst = max(float((decode_after_prefill(*case, graphed=True)[0] - ref).norm() / ref.norm())
+                for case, ref in zip(cases, expected))
     assert not triton_kernels._failed, triton_kernels._failed
     kernels_of_the_step = {{"_split_kernel", "_merge_kernel", "_cache_write_kernel", "_write_kernel", "_attend_kernel",
                            "_step_kernel"}}
