@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError
-from recurformer.decode_graph import DecodeGraph, static_step
+from recurformer.decode_graph import DecodeGraph, graphed_generate, other_processors, static_step
 from recurformer.device import Placement, resolve_device, resolve_dtype
 from recurformer.loading import load_converted
 from recurformer.mixers import MixerConfig
@@ -470,3 +470,68 @@ def test_a_decode_graph_over_a_cache_of_other_layers_is_refused():
         converted(torch.randint(0, 97, (1, 10)), **{CACHE_ARGUMENT: cache})
     with pytest.raises(ValueError, match="the cache has 3 layers, the model 2"):
         DecodeGraph(converted, cache, capacity=20)
+
+
+@pytest.mark.parametrize("temperature, settings", [(0.0, {}), (0.8, {}), (1.3, {"top_k": 0, "top_p": 0.9}),
+                                                   (1.3, {"top_k": 0, "min_p": 0.3})],
+                         ids=["greedy", "sampled", "sampled-top-p", "sampled-min-p"])
+def test_graphed_generate_gives_the_tokens_of_generate(device, temperature, settings):
+    """`graphed_generate` (on a GPU its steps replayed from a CUDA graph) gives the tokens of
+    `model.generate`, greedy, and sampled from the same seed (the same warpers: temperature,
+    then the generation config's top-k, by default 50, top-p and min-p); a row stops at an end
+    token and is padded after it."""
+    model = tiny_model("llama")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random"))
+    converted = converted.to(device).eval()
+    for name, value in settings.items():
+        setattr(converted.generation_config, name, value)
+    ids = torch.randint(1, 97, (2, 30), device=device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+
+    def both(eos: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(1)
+        expected = converted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, eos_token_id=eos,
+                                      pad_token_id=0, **sampling)
+        torch.manual_seed(1)
+        return graphed_generate(converted, ids, 12, eos, 0, temperature), expected
+
+    ours, expected = both(None)
+    assert torch.equal(ours, expected) and ours.shape == (2, 42)
+    eos = int(expected[0, 33])  # the first row's fourth new token ends it
+    ours, expected = both(eos)
+    assert torch.equal(ours, expected) and (ours[0, 34:] == 0).all()
+
+
+def test_generate_on_a_gpu_decodes_with_graphs(tmp_path, monkeypatch, capsys):
+    """`recurformer generate` takes `graphed_generate` for a RecurFormer model on a GPU (here
+    the choice forced on the CPU, where the same static steps run eagerly): the text of
+    `model.generate`."""
+    from recurformer import commands
+    from recurformer.cli import main
+
+    model = tiny_model("llama")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random")).eval()
+    converted.save_pretrained(tmp_path)
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    taken, decodes_with_graphs = [], commands.decodes_with_graphs
+    monkeypatch.setattr(commands, "decodes_with_graphs", lambda net: taken.append(type(net).__name__) or True)
+    assert main(["generate", str(tmp_path), "--prompt", "The quick brown", "--max-new-tokens", "6"]) == 0
+    ids = tokenizer("The quick brown", return_tensors="pt")
+    expected = converted.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:],
+                                                                   skip_special_tokens=True)
+    assert taken == ["RecurFormerForCausalLM"]
+    assert not decodes_with_graphs(converted) and not decodes_with_graphs(model)  # the CPU
+
+
+def test_graphed_generate_refuses_what_it_does_not_apply():
+    """A generation config that sets a processor beyond temperature, top-k, top-p and min-p
+    (a repetition penalty here) is refused in one line, and `generate` takes `model.generate`."""
+    model = tiny_model("llama")
+    converted = convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"]).eval()
+    assert other_processors(converted) == []
+    converted.generation_config.repetition_penalty = 1.3
+    assert other_processors(converted) == ["repetition_penalty"]
+    with pytest.raises(ValueError, match="the generation config sets repetition_penalty; use model.generate"):
+        graphed_generate(converted, torch.ones(1, 4, dtype=torch.long), 2)

@@ -18,12 +18,13 @@ from .checks import read_json_object, require_finite
 from .config import option, require
 from .device import Placement
 from .data import check_length, load_documents, not_found, token_sequences
+from .decode_graph import graphed_generate, other_processors
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
 from .loading import CPU, check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
 from .mixers import MixerConfig
-from .modeling import check_architecture
+from .modeling import RecurFormerForCausalLM, check_architecture
 from .outputs import check_output, check_replaceable, claim_folder, size_of
 from .mixers import MIXERS
 from .recipe import RECIPES, STAGES, micro_batches
@@ -178,12 +179,26 @@ class GenerationOptions:
 
 def generate_command(model: str, prompt: str, options: GenerationOptions = GenerationOptions(),
                      placement: Placement = CPU) -> str:
-    """The continuation of `prompt` (greedy when the temperature is 0, else sampled)."""
+    """The continuation of `prompt` (greedy when the temperature is 0, else sampled). A
+    RecurFormer model on a GPU decodes with its steps replayed from a CUDA graph
+    (`graphed_generate`: on a GPU an eager step is bound by launching its kernels,
+    docs/gpu.md); anything else through `model.generate`."""
     require(bool(prompt), "--prompt is empty")
     net, tokenizer = load_any(model, placement)
     torch.manual_seed(options.seed)
     ids = tokenizer(prompt, return_tensors="pt").to(net.device)
-    sampling = dict(do_sample=True, temperature=options.temperature) if options.temperature > 0 else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generated = net.eval().generate(**ids, max_new_tokens=options.max_new_tokens, pad_token_id=pad, **sampling)
+    if decodes_with_graphs(net):
+        generated = graphed_generate(net.eval(), ids["input_ids"], options.max_new_tokens,
+                                     net.generation_config.eos_token_id, pad, options.temperature)
+    else:
+        sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else \
+            {"do_sample": False}
+        generated = net.eval().generate(**ids, max_new_tokens=options.max_new_tokens, pad_token_id=pad, **sampling)
     return tokenizer.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def decodes_with_graphs(model) -> bool:
+    """Whether `generate` decodes `model` with `graphed_generate`: a RecurFormer model on a GPU
+    whose generation config asks for nothing it does not apply."""
+    return isinstance(model, RecurFormerForCausalLM) and model.device.type == "cuda" and not other_processors(model)

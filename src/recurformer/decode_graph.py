@@ -14,12 +14,25 @@ what the GPU replays.
     for _ in range(new_tokens):
         logits = graph(token, position)           # [B, 1, V]
         token, position = logits.argmax(-1), position + 1
+
+`graphed_generate` is that loop as `generate` runs it on a GPU (`recurformer generate
+--device cuda`): prefill, then graphed steps, greedy or sampled as `model.generate` samples.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
+from transformers import GenerationConfig
+from transformers.generation import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .cache import CACHE_ARGUMENT, HybridCache
 from .device import model_device
@@ -95,3 +108,77 @@ class DecodeGraph:
             raise ValueError(f"DecodeGraph: the cache is full ({self.capacity} tokens)")
         self.steps += 1
         return self.step(ids, positions)
+
+
+# What `model.generate` would apply to the scores besides temperature, top-k, top-p and
+# min-p; at transformers' default each applies nothing. A model whose generation config sets
+# one decodes through `model.generate` (`graphed_generate` refuses it).
+OTHER_PROCESSORS = ("repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "min_length",
+                    "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+                    "forced_bos_token_id", "forced_eos_token_id", "sequence_bias", "typical_p", "epsilon_cutoff",
+                    "eta_cutoff", "top_h", "exponential_decay_length_penalty", "renormalize_logits",
+                    "watermarking_config", "guidance_scale", "num_beams")
+
+
+def generation_settings(config: GenerationConfig) -> GenerationConfig:
+    """`config` as `model.generate` runs it when given nothing else: its unset values at
+    transformers' defaults."""
+    config = copy.deepcopy(config)
+    config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    return config
+
+
+def other_processors(model) -> list[str]:
+    """The settings of `model`'s generation config that `graphed_generate` does not apply."""
+    settings, plain = generation_settings(model.generation_config), generation_settings(GenerationConfig())
+    return [name for name in OTHER_PROCESSORS if getattr(settings, name, None) != getattr(plain, name, None)]
+
+
+def sampling_warpers(model, temperature: float) -> LogitsProcessorList:
+    """What `model.generate(do_sample=True, temperature=...)` applies to the scores before it
+    samples, in its order: temperature, then the generation config's top-k, top-p and min-p."""
+    settings = generation_settings(model.generation_config)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if settings.top_k:
+        warpers.append(TopKLogitsWarper(settings.top_k))
+    if settings.top_p is not None and settings.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(settings.top_p))
+    if settings.min_p is not None:
+        warpers.append(MinPLogitsWarper(settings.min_p))
+    return warpers
+
+
+@torch.no_grad()
+def graphed_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
+                     pad_token_id: int | None = None, temperature: float = 0.0) -> Tensor:
+    """`model.generate` for unpadded prompts `[B, T]` of a RecurFormer model, its decode steps
+    replayed from a CUDA graph (`DecodeGraph`; eager off a GPU) -> `[B, T + new]`: greedy at
+    temperature 0, else sampled through `sampling_warpers` (a generation config that asks for
+    more, `other_processors`, is refused); a row that has produced an end
+    token (`eos_token_id`: one or several) continues with `pad_token_id` (default: the first
+    end token), and decoding stops once every row has."""
+    others = other_processors(model)
+    if others:
+        raise ValueError(f"graphed_generate: the generation config sets {', '.join(others)}; use model.generate")
+    batch, prompt = input_ids.shape
+    ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).flatten()
+    cache = HybridCache(len(model.model.layers))
+    logits = model(input_ids, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache}).logits[:, -1]
+    graph = DecodeGraph(model, cache, capacity=prompt + max_new_tokens)
+    warpers = sampling_warpers(model, temperature) if temperature > 0 else None
+    sequences, done = input_ids, torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    position = torch.full((batch, 1), prompt - 1, device=input_ids.device)
+    for step in range(max_new_tokens):
+        if warpers is None:
+            token = logits.argmax(-1)
+        else:
+            token = torch.multinomial(warpers(sequences, logits.float()).softmax(-1), num_samples=1)[:, 0]
+        if ends is not None:
+            token = torch.where(done, pad_token_id if pad_token_id is not None else ends[0], token)
+            done |= torch.isin(token, ends)
+        sequences = torch.cat([sequences, token[:, None]], 1)
+        if step + 1 == max_new_tokens or (ends is not None and bool(done.all())):
+            break
+        position = position + 1
+        logits = graph(token[:, None], position)[:, -1]
+    return sequences
