@@ -12,7 +12,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
 from recurformer.config import ConfigError
-from recurformer.decode_graph import DecodeGraph, graphed_generate, other_processors, static_step
+from recurformer.decode_graph import (
+    DecodeGraph,
+    decodes_with_graphs,
+    graphed_generate,
+    other_processors,
+    static_step,
+)
 from recurformer.device import Placement, resolve_device, resolve_dtype
 from recurformer.loading import load_converted
 from recurformer.mixers import MixerConfig
@@ -472,28 +478,31 @@ def test_a_decode_graph_over_a_cache_of_other_layers_is_refused():
         DecodeGraph(converted, cache, capacity=20)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 @pytest.mark.parametrize("temperature, settings", [(0.0, {}), (0.8, {}), (1.3, {"top_k": 0, "top_p": 0.9}),
                                                    (1.3, {"top_k": 0, "min_p": 0.3})],
                          ids=["greedy", "sampled", "sampled-top-p", "sampled-min-p"])
-def test_graphed_generate_gives_the_tokens_of_generate(device, temperature, settings):
+def test_graphed_generate_gives_the_tokens_of_generate(device, temperature, settings, padded):
     """`graphed_generate` (on a GPU its steps replayed from a CUDA graph) gives the tokens of
     `model.generate`, greedy, and sampled from the same seed (the same warpers: temperature,
-    then the generation config's top-k, by default 50, top-p and min-p); a row stops at an end
-    token and is padded after it."""
+    then the generation config's top-k, by default 50, top-p and min-p), for a left-padded
+    batch too; a row stops at an end token and is padded after it."""
     model = tiny_model("llama")
     converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random"))
     converted = converted.to(device).eval()
     for name, value in settings.items():
         setattr(converted.generation_config, name, value)
-    ids = torch.randint(1, 97, (2, 30), device=device)
+    ids, mask = torch.randint(1, 97, (2, 30), device=device), torch.ones(2, 30, dtype=torch.long, device=device)
+    if padded:
+        ids[1, :11], mask[1, :11] = 0, 0  # the second prompt is 19 tokens
     sampling = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
 
     def both(eos: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(1)
-        expected = converted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, eos_token_id=eos,
-                                      pad_token_id=0, **sampling)
+        expected = converted.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0,
+                                      **sampling)
         torch.manual_seed(1)
-        return graphed_generate(converted, ids, 12, eos, 0, temperature), expected
+        return graphed_generate(converted, ids, 12, eos, 0, temperature, attention_mask=mask), expected
 
     ours, expected = both(None)
     assert torch.equal(ours, expected) and ours.shape == (2, 42)
@@ -514,7 +523,7 @@ def test_generate_on_a_gpu_decodes_with_graphs(tmp_path, monkeypatch, capsys):
     converted.save_pretrained(tmp_path)
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(tmp_path)
-    taken, decodes_with_graphs = [], commands.decodes_with_graphs
+    taken = []
     monkeypatch.setattr(commands, "decodes_with_graphs", lambda net: taken.append(type(net).__name__) or True)
     assert main(["generate", str(tmp_path), "--prompt", "The quick brown", "--max-new-tokens", "6"]) == 0
     ids = tokenizer("The quick brown", return_tensors="pt")
@@ -522,7 +531,7 @@ def test_generate_on_a_gpu_decodes_with_graphs(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:],
                                                                    skip_special_tokens=True)
     assert taken == ["RecurFormerForCausalLM"]
-    assert not decodes_with_graphs(converted) and not decodes_with_graphs(model)  # the CPU
+    assert not decodes_with_graphs(converted) and not decodes_with_graphs(model)  # the CPU; the original
 
 
 def test_graphed_generate_refuses_what_it_does_not_apply():
@@ -535,3 +544,20 @@ def test_graphed_generate_refuses_what_it_does_not_apply():
     assert other_processors(converted) == ["repetition_penalty"]
     with pytest.raises(ValueError, match="the generation config sets repetition_penalty; use model.generate"):
         graphed_generate(converted, torch.ones(1, 4, dtype=torch.long), 2)
+
+
+def test_evaluations_on_a_gpu_decode_with_graphs(monkeypatch):
+    """The evaluations' batched greedy completions take `graphed_generate` for a RecurFormer
+    model on a GPU (here the choice forced on the CPU): the completions of `model.generate`,
+    prompts of different lengths left-padded in one batch."""
+    from recurformer.evaluate import generation
+
+    model = tiny_model("llama")
+    converted = open_gates(convert(model, spec_for(model, 0.5), MIXERS["window+mamba2"], init="random")).eval()
+    tokenizer = tiny_tokenizer()
+    prompts = ["The quick brown fox", "a b", "jumps over the lazy dog and the cat"]
+    expected = generation.greedy_completions(converted, tokenizer, prompts, 8, batch_size=3, progress=False)
+    taken = []
+    monkeypatch.setattr(generation, "decodes_with_graphs", lambda net: taken.append(net) or True)
+    assert generation.greedy_completions(converted, tokenizer, prompts, 8, batch_size=3, progress=False) == expected
+    assert taken == [converted]

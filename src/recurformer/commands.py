@@ -18,13 +18,13 @@ from .checks import read_json_object, require_finite
 from .config import option, require
 from .device import Placement
 from .data import check_length, load_documents, not_found, token_sequences
-from .decode_graph import graphed_generate, other_processors
+from .decode_graph import decodes_with_graphs, graphed_generate
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
 from .loading import CPU, check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
 from .mixers import MixerConfig
-from .modeling import RecurFormerForCausalLM, check_architecture
+from .modeling import check_architecture
 from .outputs import check_output, check_replaceable, claim_folder, size_of
 from .mixers import MIXERS
 from .recipe import RECIPES, STAGES, micro_batches
@@ -197,8 +197,3 @@ def generate_command(model: str, prompt: str, options: GenerationOptions = Gener
         generated = net.eval().generate(**ids, max_new_tokens=options.max_new_tokens, pad_token_id=pad, **sampling)
     return tokenizer.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
-
-def decodes_with_graphs(model) -> bool:
-    """Whether `generate` decodes `model` with `graphed_generate`: a RecurFormer model on a GPU
-    whose generation config asks for nothing it does not apply."""
-    return isinstance(model, RecurFormerForCausalLM) and model.device.type == "cuda" and not other_processors(model)

@@ -150,24 +150,30 @@ def sampling_warpers(model, temperature: float) -> LogitsProcessorList:
 
 @torch.no_grad()
 def graphed_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
-                     pad_token_id: int | None = None, temperature: float = 0.0) -> Tensor:
-    """`model.generate` for unpadded prompts `[B, T]` of a RecurFormer model, its decode steps
-    replayed from a CUDA graph (`DecodeGraph`; eager off a GPU) -> `[B, T + new]`: greedy at
-    temperature 0, else sampled through `sampling_warpers` (a generation config that asks for
-    more, `other_processors`, is refused); a row that has produced an end
-    token (`eos_token_id`: one or several) continues with `pad_token_id` (default: the first
-    end token), and decoding stops once every row has."""
+                     pad_token_id: int | None = None, temperature: float = 0.0,
+                     attention_mask: Tensor | None = None) -> Tensor:
+    """`model.generate` for prompts `[B, T]` (left-padded where `attention_mask` `[B, T]` has
+    zeros) of a RecurFormer model, its decode steps replayed from a CUDA graph (`DecodeGraph`;
+    eager off a GPU) -> `[B, T + new]`: greedy at temperature 0, else sampled through
+    `sampling_warpers` (a generation config that asks for more, `other_processors`, is
+    refused); a row that has produced an end token (`eos_token_id`: one or several)
+    continues with `pad_token_id` (default: the first end token), and decoding stops once
+    every row has."""
     others = other_processors(model)
     if others:
         raise ValueError(f"graphed_generate: the generation config sets {', '.join(others)}; use model.generate")
     batch, prompt = input_ids.shape
-    ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).flatten()
+    device = input_ids.device
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # each row's tokens from 0, after its padding
+    ends = None if eos_token_id is None else torch.tensor(eos_token_id, device=device).flatten()
     cache = HybridCache(len(model.model.layers))
-    logits = model(input_ids, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache}).logits[:, -1]
-    graph = DecodeGraph(model, cache, capacity=prompt + max_new_tokens)
+    logits = model(input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                   **{CACHE_ARGUMENT: cache}).logits[:, -1]
+    graph = DecodeGraph(model, cache, capacity=prompt + max_new_tokens, starts=prompt - mask.sum(1))
     warpers = sampling_warpers(model, temperature) if temperature > 0 else None
-    sequences, done = input_ids, torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-    position = torch.full((batch, 1), prompt - 1, device=input_ids.device)
+    sequences, done = input_ids, torch.zeros(batch, dtype=torch.bool, device=device)
+    position = positions[:, -1:]
     for step in range(max_new_tokens):
         if warpers is None:
             token = logits.argmax(-1)
@@ -182,3 +188,11 @@ def graphed_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id
         position = position + 1
         logits = graph(token[:, None], position)[:, -1]
     return sequences
+
+
+def decodes_with_graphs(model) -> bool:
+    """Whether a RecurFormer model decodes with `graphed_generate` where `model.generate` would
+    run: on a GPU (on the CPU the compiled kernels' ordinary decode is the fast one), with a
+    generation config that asks for nothing `graphed_generate` does not apply."""
+    return (getattr(model.config, "model_type", None) == "recurformer" and model_device(model).type == "cuda"
+            and not other_processors(model))
