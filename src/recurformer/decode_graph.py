@@ -122,9 +122,13 @@ OTHER_PROCESSORS = ("repetition_penalty", "encoder_repetition_penalty", "no_repe
 
 def generation_settings(config: GenerationConfig) -> GenerationConfig:
     """`config` as `model.generate` runs it when given nothing else: its unset values at
-    transformers' defaults."""
+    transformers' defaults (which transformers 5 applies at `generate`; before, the config
+    held them already)."""
     config = copy.deepcopy(config)
-    config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    for name, value in defaults.items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value)
     return config
 
 
