@@ -515,7 +515,7 @@ def test_generate_on_a_gpu_decodes_with_graphs(tmp_path, monkeypatch, capsys):
     """`recurformer generate` takes `graphed_generate` for a RecurFormer model on a GPU (here
     the choice forced on the CPU, where the same static steps run eagerly): the text of
     `model.generate`."""
-    from recurformer import commands
+    from recurformer import decode_graph
     from recurformer.cli import main
 
     model = tiny_model("llama")
@@ -524,7 +524,7 @@ def test_generate_on_a_gpu_decodes_with_graphs(tmp_path, monkeypatch, capsys):
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(tmp_path)
     taken = []
-    monkeypatch.setattr(commands, "decodes_with_graphs", lambda net: taken.append(type(net).__name__) or True)
+    monkeypatch.setattr(decode_graph, "decodes_with_graphs", lambda net: taken.append(type(net).__name__) or True)
     assert main(["generate", str(tmp_path), "--prompt", "The quick brown", "--max-new-tokens", "6"]) == 0
     ids = tokenizer("The quick brown", return_tensors="pt")
     expected = converted.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -550,6 +550,7 @@ def test_evaluations_on_a_gpu_decode_with_graphs(monkeypatch):
     """The evaluations' batched greedy completions take `graphed_generate` for a RecurFormer
     model on a GPU (here the choice forced on the CPU): the completions of `model.generate`,
     prompts of different lengths left-padded in one batch."""
+    from recurformer import decode_graph
     from recurformer.evaluate import generation
 
     model = tiny_model("llama")
@@ -558,6 +559,6 @@ def test_evaluations_on_a_gpu_decode_with_graphs(monkeypatch):
     prompts = ["The quick brown fox", "a b", "jumps over the lazy dog and the cat"]
     expected = generation.greedy_completions(converted, tokenizer, prompts, 8, batch_size=3, progress=False)
     taken = []
-    monkeypatch.setattr(generation, "decodes_with_graphs", lambda net: taken.append(net) or True)
+    monkeypatch.setattr(decode_graph, "decodes_with_graphs", lambda net: taken.append(net) or True)
     assert generation.greedy_completions(converted, tokenizer, prompts, 8, batch_size=3, progress=False) == expected
     assert taken == [converted]

@@ -18,7 +18,7 @@ from .checks import read_json_object, require_finite
 from .config import option, require
 from .device import Placement
 from .data import check_length, load_documents, not_found, token_sequences
-from .decode_graph import decodes_with_graphs, graphed_generate
+from .decode_graph import generate_tokens
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
@@ -179,21 +179,14 @@ class GenerationOptions:
 
 def generate_command(model: str, prompt: str, options: GenerationOptions = GenerationOptions(),
                      placement: Placement = CPU) -> str:
-    """The continuation of `prompt` (greedy when the temperature is 0, else sampled). A
-    RecurFormer model on a GPU decodes with its steps replayed from a CUDA graph
-    (`graphed_generate`: on a GPU an eager step is bound by launching its kernels,
-    docs/gpu.md); anything else through `model.generate`."""
+    """The continuation of `prompt` (greedy when the temperature is 0, else sampled;
+    `generate_tokens`: a RecurFormer model on a GPU decodes with its steps replayed from a
+    CUDA graph, docs/gpu.md)."""
     require(bool(prompt), "--prompt is empty")
     net, tokenizer = load_any(model, placement)
     torch.manual_seed(options.seed)
     ids = tokenizer(prompt, return_tensors="pt").to(net.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if decodes_with_graphs(net):
-        generated = graphed_generate(net.eval(), ids["input_ids"], options.max_new_tokens,
-                                     net.generation_config.eos_token_id, pad, options.temperature)
-    else:
-        sampling = {"do_sample": True, "temperature": options.temperature} if options.temperature > 0 else \
-            {"do_sample": False}
-        generated = net.eval().generate(**ids, max_new_tokens=options.max_new_tokens, pad_token_id=pad, **sampling)
+    generated = generate_tokens(net.eval(), ids["input_ids"], options.max_new_tokens, pad, options.temperature,
+                                ids.get("attention_mask"))
     return tokenizer.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-

@@ -194,6 +194,20 @@ def graphed_generate(model, input_ids: Tensor, max_new_tokens: int, eos_token_id
     return sequences
 
 
+def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, pad_token_id: int | None,
+                    temperature: float = 0.0, attention_mask: Tensor | None = None) -> Tensor:
+    """`model.generate`'s tokens `[B, T + new]` for prompts `[B, T]` (left-padded where
+    `attention_mask` has zeros), greedy at temperature 0, else sampled, ending at the
+    generation config's end tokens: through `graphed_generate` where `decodes_with_graphs`,
+    else through `model.generate` itself."""
+    if decodes_with_graphs(model):
+        return graphed_generate(model, input_ids, max_new_tokens, model.generation_config.eos_token_id, pad_token_id,
+                                temperature, attention_mask)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                          pad_token_id=pad_token_id, **sampling)
+
+
 def decodes_with_graphs(model) -> bool:
     """Whether a RecurFormer model decodes with `graphed_generate` where `model.generate` would
     run: on a GPU (on the CPU the compiled kernels' ordinary decode is the fast one), with a

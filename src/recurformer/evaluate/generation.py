@@ -1,6 +1,6 @@
 """Greedy completions of text prompts: batched with left padding (`greedy_completions`), or
 one prompt at a time, its context prefilled first (`prefilled_answer`). A RecurFormer model
-on a GPU decodes the batches with its steps replayed from a CUDA graph (`graphed_generate`)."""
+on a GPU decodes the batches with its steps replayed from a CUDA graph (`generate_tokens`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import CACHE_ARGUMENT
-from ..decode_graph import decodes_with_graphs, graphed_generate
+from ..decode_graph import generate_tokens
 from ..device import model_device, to_model
 
 
@@ -31,12 +31,7 @@ def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
             ids[row, width - len(tokens):] = torch.tensor(tokens)
             mask[row, width - len(tokens):] = 1
         ids, mask = to_model(model, ids, mask)
-        if decodes_with_graphs(model):
-            out = graphed_generate(model, ids, max_new_tokens, model.generation_config.eos_token_id, pad,
-                                   attention_mask=mask)
-        else:
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad)
+        out = generate_tokens(model, ids, max_new_tokens, pad, attention_mask=mask)
         completions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return completions
 
