@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -479,3 +480,219 @@ def test_a_device_that_cannot_be_had_is_one_line(ws, capsys, command, flags, fra
                          ids=["generate", "analyze"])
 def test_an_unknown_precision_is_one_line(ws, capsys, command):
     refused(capsys, ws, (*command(ws), "--precision", "fp8"), "--precision: unknown 'fp8'")
+
+
+# --- bad arguments refused before any weight is loaded ------------------------------------
+# (`eval --task shared-context --context 100000` tokenized and prefilled for six minutes
+# before it said the context was longer than the model's positions)
+
+REFUSE_WITHIN_S = 5.0
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Every load of a model's weights refused, and recorded: a bad argument must be refused
+    before one (`loading.load_checked` is where every command and stage loads a model)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = []
+
+    def refuse(where, *args, **kwargs):
+        loaded.append(str(where))
+        raise RuntimeError(f"the weights of {where} were loaded before the argument was refused")
+
+    monkeypatch.setattr("recurformer.loading.load_checked", refuse)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    return loaded
+
+
+def tokens_of(ws, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(ws / "model")(text, add_special_tokens=False)["input_ids"])
+
+
+def text_of(ws, path: Path, sentence: str, low: int, high: int) -> Path:
+    """A file of `sentence` repeated to between `low` and `high` tokens of the tiny tokenizer."""
+    count = (low + high) // 2 // tokens_of(ws, sentence)
+    path.write_text(sentence * count)
+    assert low <= tokens_of(ws, sentence * count) + 1 < high  # + 1: the EOS after the document
+    return path
+
+
+def with_positions(ws, positions: int) -> Path:
+    """The tiny model with `positions` positions (its rotary embedding has no weights)."""
+    folder = ws / f"model-{positions}"
+    shutil.copytree(ws / "model", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return folder
+
+
+@pytest.fixture
+def pre(ws):
+    """The good inputs, and the files the table's rows need besides them."""
+    held_out = "a recurrent state has a fixed size . "
+    (ws / "held-out.txt").write_text(held_out * 200)
+    (ws / "short.txt").write_text("a few words .")
+    (ws / "long.txt").write_text(TEXT * 12)  # more than 16 x 1,024 tokens: a full run's analysis
+    text_of(ws, ws / "mid.txt", held_out, 4096 + 200, 8192 - 200)  # a full run's RULER, not its ppl-by-distance
+    text_of(ws, ws / "small.txt", "the quick brown fox jumps over the lazy dog . ", 128 + 20, 256 - 20)
+    scores = json.loads((ws / "scores.json").read_text())
+    scores.update(num_layers=1, heads=[h for h in scores["heads"] if h["layer"] == 0],
+                  groups=[g for g in scores.get("groups", []) if g["layer"] == 0])
+    (ws / "one-layer-scores.json").write_text(json.dumps(scores))
+    for positions in (1536, 4096, 8192):
+        with_positions(ws, positions)
+    return ws
+
+
+def run_args(ws, *extra, model="model", data="text.txt", eval_data="held-out.txt"):
+    return ("run", "--model", ws / model, "--data", ws / data, "--eval-data", ws / eval_data, "--ood-data",
+            ws / eval_data, "--out", ws / "run", *extra)
+
+
+def eval_args(ws, model, task, *extra, out=None):
+    return ("eval", ws / model, "--task", task, *extra, *(("--out", out) if out else ()))
+
+
+UNWRITABLE = Path("/proc/recurformer")
+FULL_RUN = ("--scorer", "recency", "--retrieval-share", "0")  # no ablation, no retrieval mix: to reach later stages
+
+# row -> (argv, given the workspace; fragments of the one-line error, "{ws}" standing for the workspace)
+BAD_ARGUMENTS = {
+    # analyze: sequences, the ablation the scorer needs, the text, the output
+    "analyze --seq-len beyond positions": (
+        lambda ws: (*analyze(ws, ws / "s.json"), "--seq-len", 1024),
+        ["seq_len 1024 is longer than the model allows (512 positions)"]),
+    "analyze --ablation-seq-len beyond positions": (
+        lambda ws: (*analyze(ws, ws / "s.json"), "--scorer", "ablation", "--ablation-seq-len", 1024,
+                    "--ablation-from", 32),
+        ["seq_len 1024 is longer than the model allows (512 positions)"]),
+    "analyze --ablation-rounds beyond the groups": (
+        lambda ws: (*analyze(ws, ws / "s.json"), "--scorer", "ablation-greedy", "--ablation-rounds", 5,
+                    "--ablation-seq-len", 64, "--ablation-from", 32),
+        ["--ablation-rounds 5 must be <= the model's 4 KV groups"]),
+    "analyze --sequences beyond the text": (
+        lambda ws: (*analyze(ws, ws / "s.json"), "--sequences", 1000, "--seq-len", 64),
+        ["asked for 1000 sequences of 64 tokens, the data has"]),
+    "analyze calibration beyond the text": (
+        lambda ws: (*analyze(ws, ws / "s.json"), "--scorer", "ablation", "--ablation-sequences", 1000,
+                    "--ablation-seq-len", 64, "--ablation-from", 32),
+        ["needs 1000 x 64 = 64000 tokens of calibration text"]),
+    "analyze --out unwritable": (
+        lambda ws: analyze(ws, UNWRITABLE / "scores.json"), [UNWRITABLE, "cannot write there"]),
+    # convert: the window, the scores, the output
+    "convert --window beyond positions": (
+        lambda ws: convert(ws, ws / "out", "--mixer", "window", "--window", 1000),
+        ["window 1000 is larger than the model's position limit (512 positions)"]),
+    "convert scores of another shape": (
+        lambda ws: ("convert", ws / "model", "--scores", ws / "one-layer-scores.json", "--scorer", "recency", "--out",
+                    ws / "out"),
+        ["scores are for a model with layers x heads x kv_heads = 1 x 4 x 2", "has 2 x 4 x 2"]),
+    "convert --scorer without its statistic": (
+        lambda ws: convert(ws, ws / "out", "--scorer", "ablation"), ["these scores have no ablation costs"]),
+    "convert --out unwritable": (lambda ws: convert(ws, UNWRITABLE / "out"), [UNWRITABLE, "cannot write there"]),
+    # train: the sequences, the text, the folder, the output
+    "train --seq-len beyond positions": (
+        lambda ws: train(ws, "--seq-len", 1024), ["seq_len 1024 is longer than the model allows (512 positions)"]),
+    "train text shorter than a sequence": (
+        lambda ws: ("train", ws / "converted", "--data", ws / "short.txt", *TRAIN, "--out", ws / "out"),
+        ["tokens, fewer than one sequence of 32"]),
+    "train a model that is not converted": (
+        lambda ws: ("train", ws / "model", "--data", ws / "text.txt", *TRAIN, "--out", ws / "out"),
+        ["not a converted RecurFormer model"]),
+    "train --out unwritable": (
+        lambda ws: ("train", ws / "converted", "--data", ws / "text.txt", *TRAIN, "--out", UNWRITABLE / "out"),
+        [UNWRITABLE, "cannot write there"]),
+    # eval: every task's lengths against the positions, its problems against the context, its text
+    "eval ppl --context beyond positions": (
+        lambda ws: (*evaluate(ws, ws / "model"), "--context", 1024),
+        ["seq_len 1024 is longer than the model allows (512 positions)"]),
+    "eval ppl-by-distance --context beyond positions": (
+        lambda ws: eval_args(ws, "model", "ppl-by-distance", "--data", ws / "text.txt", "--context", 1024),
+        ["--context 1024 is longer than the model allows (512 positions)"]),
+    "eval ppl-by-distance text shorter than the sequences": (
+        lambda ws: eval_args(ws, "model", "ppl-by-distance", "--data", ws / "text.txt", "--context", 256,
+                             "--sequences", 100),
+        ["tokens, fewer than --sequences 100 x --context 256"]),
+    "eval agreement on a model that is not converted": (
+        lambda ws: eval_args(ws, "model", "agreement", "--data", ws / "text.txt"),
+        ["--task agreement compares a converted model with its original; this model is not converted"]),
+    "eval agreement --original converted": (
+        lambda ws: eval_args(ws, "converted", "agreement", "--data", ws / "text.txt", "--original", ws / "trained"),
+        ["the reference {ws}/trained is a converted model; give the original with --reference"]),
+    "eval agreement --context beyond positions": (
+        lambda ws: eval_args(ws, "converted", "agreement", "--data", ws / "text.txt", "--context", 1024),
+        ["--context 1024 is longer than the model allows (512 positions)"]),
+    "eval agreement text shorter than a window": (
+        lambda ws: eval_args(ws, "converted", "agreement", "--data", ws / "short.txt", "--context", 256,
+                             "--max-tokens", 256),
+        ["short.txt has", "tokens, fewer than one window of --context 256"]),
+    "eval passkey --context beyond positions": (
+        lambda ws: eval_args(ws, "model", "passkey", "--data", ws / "text.txt", "--context", 1024),
+        ["--context 1024 (+ 8 generated tokens) is longer than the model allows (512 positions)"]),
+    "eval ruler --context beyond positions": (
+        lambda ws: eval_args(ws, "model", "ruler", "--data", ws / "text.txt", "--context", 1024),
+        ["--context 1024 (+ up to", "generated tokens) is longer than the model allows (512 positions)"]),
+    "eval shared-context --context 100000": (
+        lambda ws: eval_args(ws, "model", "shared-context", "--data", ws / "text.txt", "--context", 100000,
+                             out=ws / "s.json"),
+        ["--context 100000 and 8 question turns reach more positions than the model allows (512)"]),
+    "eval hashhop problems beyond --context": (
+        lambda ws: eval_args(ws, "model", "hashhop", "--context", 50),
+        ["--task hashhop: target_tokens=50 is too small"]),
+    "eval mqar pairs beyond --context": (
+        lambda ws: eval_args(ws, "model", "mqar", "--context", 8, "--kv-pairs", 16), ["--task mqar: "]),
+    "eval --out unwritable": (
+        lambda ws: eval_args(ws, "model", "ppl", "--data", ws / "text.txt", out=UNWRITABLE / "eval.json"),
+        [UNWRITABLE, "cannot write there"]),
+    # bench
+    "bench --contexts beyond positions": (
+        lambda ws: bench(ws, "--contexts", 1000), ["--contexts 1000 plus decoding exceeds the model's 512 positions"]),
+    "bench a model that is not converted": (
+        lambda ws: ("bench", ws / "model", "--contexts", 16, "--out", ws / "bench.json"),
+        ["not a converted RecurFormer model"]),
+    "bench --out unwritable": (
+        lambda ws: ("bench", ws / "converted", "--contexts", 16, "--out", UNWRITABLE / "bench.json"),
+        [UNWRITABLE, "cannot write there"]),
+    # run: each stage's arguments before the first stage starts
+    "run --beta that replaces none": (
+        lambda ws: run_args(ws, "--quick", "--beta", "0.01"), ["--beta 0.01 replaces none of the model's 4 KV groups"]),
+    "run --window beyond positions": (
+        lambda ws: run_args(ws, "--quick", "--window", 513),
+        ["window 513 is larger than the model's position limit (512 positions)"]),
+    "run training sequences beyond positions": (
+        lambda ws: run_args(ws, "--retrieval-share", "0.5"),
+        ["seq_len 1024 is longer than the model allows (512 positions)"]),
+    "run training sequences without room for a fact": (
+        lambda ws: run_args(ws, "--quick", "--retrieval-share", "0.5"),
+        ["a 96-token training sequence has no room for a fact and its question"]),
+    "run analysis beyond the training text": (
+        lambda ws: run_args(ws, "--quick", data="small.txt"), ["asked for 2 sequences of 128 tokens, the data has 1"]),
+    "run ablation beyond positions (analyze stage)": (
+        lambda ws: run_args(ws, model="model-1536"), ["seq_len 2048 is longer than the model allows (1536 positions)"]),
+    "run RULER beyond positions (evaluate stage)": (
+        lambda ws: run_args(ws, *FULL_RUN, model="model-4096"),
+        ["--context 4096 (+ up to 64 generated tokens) is longer than the model allows (4096 positions)"]),
+    "run ppl-by-distance beyond the held-out text (evaluate stage)": (
+        lambda ws: run_args(ws, *FULL_RUN, model="model-8192", data="long.txt", eval_data="mid.txt"),
+        ["tokens, fewer than --sequences 2 x --context 4096"]),
+    "run HashHop problems beyond their context (evaluate stage)": (
+        lambda ws: run_args(ws, "--quick"), ["--task hashhop: target_tokens=160 is too small"]),
+    "run --out unwritable": (
+        lambda ws: (*run_args(ws, "--quick")[:-3], "--out", UNWRITABLE / "run"), [UNWRITABLE, "cannot write there"]),
+}
+
+
+@pytest.mark.parametrize("row", list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_refused_before_any_weight_is_loaded(pre, capsys, no_weights, row):
+    """Each row: exit 2, the one-line error, nothing written, no weight loaded, within a few seconds."""
+    argv, fragments = BAD_ARGUMENTS[row]
+    fragments = [str(f).replace("{ws}", str(pre)) for f in fragments]
+    started = time.monotonic()
+    refused(capsys, pre, argv(pre), *fragments)
+    seconds = time.monotonic() - started
+    assert not no_weights
+    assert seconds < REFUSE_WITHIN_S, f"{row}: refused after {seconds:.1f} s"
+    print(f"\nrefused in {seconds:.2f} s: {row}")

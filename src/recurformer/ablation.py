@@ -105,13 +105,30 @@ class Ablation:
 def calibration_sequences(tokenizer, documents: list[str], config: AblationConfig, model_config, seed: int = 0) -> Tensor:
     """`[N, T]` calibration tokens for `measure_ablation`, drawn with `seed`; a one-line error
     saying how many tokens are needed when the documents are too short."""
+    check_ablation(config, model_config)
+    check_calibration_text(tokenizer, documents, config)
+    return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
+
+
+def check_ablation(config: AblationConfig, model_config) -> None:
+    """What `measure_ablation` refuses that the model's config already shows: calibration
+    sequences beyond its positions or its own sliding window, more greedy rounds than it has
+    KV groups (`config`: the ablation as measured, `Needs.measurement`)."""
     check_length(config.ablation_seq_len, model_config)
     _check_window(model_config, config.ablation_seq_len)
-    tokens = count_tokens(tokenizer, documents)
+    _check_rounds(config.ablation_rounds, model_config.num_hidden_layers * model_config.num_key_value_heads)
+
+
+def check_calibration_text(tokenizer, documents, config: AblationConfig) -> None:
+    """Refuse calibration text shorter than `config.tokens` (counting no further than that)."""
+    tokens = count_tokens(tokenizer, documents, limit=config.tokens)
     if tokens < config.tokens:
         raise DataError(f"the ablation scorer needs {config.ablation_sequences} x {config.ablation_seq_len} = "
                         f"{config.tokens} tokens of calibration text, the data has {tokens} (--scorer recency needs less)")
-    return token_sequences(tokenizer, documents, config.ablation_seq_len, config.ablation_sequences, seed)
+
+
+def _check_rounds(rounds: int, groups: int) -> None:
+    require(rounds <= groups, f"--ablation-rounds {rounds} must be <= the model's {groups} KV groups")
 
 
 @dataclass
@@ -265,7 +282,7 @@ def measure_ablation(
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     everything = [(l, g) for l in range(layers) for g in range(kv_heads)]
     rounds = config.ablation_rounds
-    require(rounds <= len(everything), f"--ablation-rounds {rounds} must be <= the model's {len(everything)} KV groups")
+    _check_rounds(rounds, len(everything))
     _check_window(model.config, tokens.shape[1])
     require(config.ablation_from < tokens.shape[1],
             f"--ablation-from {config.ablation_from} must be < the sequence length {tokens.shape[1]}")

@@ -377,15 +377,21 @@ BASELINES = {  # name -> how the original runs: transformers' default cache, a s
 }
 
 
+def check_contexts(config: BenchConfig, model_config) -> None:
+    """Refuse contexts that, with the decode steps, go beyond the positions of the model
+    `model_config` (its text config) describes."""
+    limit = model_config.max_position_embeddings
+    if max(config.contexts) + config.decode_steps + 8 > limit:
+        raise ConfigError(f"--contexts {max(config.contexts)} plus decoding exceeds the model's {limit} positions")
+
+
 def against_original(converted: dict[str, Any], original, config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """`compare` the converted models (`name -> model`) with their original, which runs
     with transformers' dynamic cache (`original`), with a static cache
     (`original+static-cache`) and, with `config.compile`, with a static cache and compiled
     decode steps (`original+static-cache+compiled`); all are baselines. Every model must
     be in `config.dtype`."""
-    limit = original.config.max_position_embeddings
-    if max(config.contexts) + config.decode_steps + 8 > limit:
-        raise ConfigError(f"--contexts {max(config.contexts)} plus decoding exceeds the model's {limit} positions")
+    check_contexts(config, original.config)
     for name, model in {"the original": original, **converted}.items():
         require(model.dtype == config.torch_dtype, f"{name} is in {model.dtype}, the benchmark in {config.dtype}")
     contenders = {name: Contender(original.eval(), cache, compiled) for name, (cache, compiled) in BASELINES.items()

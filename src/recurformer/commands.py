@@ -1,6 +1,8 @@
 """The functions behind the subcommands (`analyze`, `convert`, `train`, `eval`, `bench`,
 `generate`), typed, one per command. Each checks every input before any long work starts
-or any file is written, then calls the library and writes its outputs atomically.
+or any file is written (its `check_*` function: what its arguments, the model's config and
+the texts' lengths show, before any weight is loaded), then calls the library and writes its
+outputs atomically.
 `analyze` and `convert` are the run's stages of the same names (`run/stages.py`);
 `recurformer run` itself is `run.run_pipeline`."""
 
@@ -8,21 +10,24 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from .ablation import AblationConfig
-from .bench import BenchConfig, against_original
+from .ablation import AblationConfig, check_ablation, check_calibration_text
+from .attention import check_window_fits
+from .bench import BenchConfig, against_original, check_contexts
 from .checks import read_json_object, require_finite
 from .config import option, require
 from .device import Placement
-from .data import check_length, load_documents, not_found, token_sequences
+from .data import check_length, check_sequences, load_documents, not_found, token_sequences
 from .decode_graph import generate_tokens
 from .evaluate import lookup_task, make_options
 from .files import sweep_staging, write_json_atomic
 from .hub import model_path
-from .loading import CPU, check_convertible, load_any, load_converted, load_model, load_teacher, model_bytes
+from .loading import (CPU, check_converted, check_convertible, load_any, load_converted, load_model, load_teacher,
+                      model_bytes, model_config, model_tokenizer)
 from .mixers import MixerConfig
 from .modeling import check_architecture
 from .outputs import check_output, check_replaceable, claim_folder, size_of
@@ -59,12 +64,32 @@ def analyze_command(model: str, data: list[str], out: str, plot: str | None = No
     check_output(out, inputs, SMALL_OUTPUT_BYTES, folder=False)
     if plot:
         check_output(plot, inputs, folder=False, flag="--plot")
+    check_analyze(model, data, analysis, selection, ablation)
     sweep_staging(Path(out).parent)  # temporary files of an analyze that was killed
     documents = load_documents(data)
     net, tokenizer, _ = load_model(model, dtype=placement.torch_dtype, device=placement.torch_device)
     check_architecture(net.config)
     return analyze_heads(net, tokenizer, documents, analysis, selection, ablation, str(model), [str(p) for p in data],
                          out, ablation_checkpoint(out), plot=plot)
+
+
+def check_analyze(model: str, data: list[str], analysis: AnalysisConfig, selection: SelectionConfig,
+                  ablation: AblationConfig) -> None:
+    """What `analyze` would refuse, from the model's config and the text's length (counted no
+    further than the sequences need), before any weight is loaded: an architecture we cannot
+    convert, sequences beyond the model's positions, the ablation the scorer needs beyond them
+    (or its sliding window, or with more rounds than KV groups), too little text."""
+    documents = load_documents(data)  # the files are there (read when counted)
+    config = model_config(model)
+    check_architecture(config)
+    check_length(analysis.seq_len, config)
+    measured = selection.needs.measurement(ablation)
+    if measured is not None:
+        check_ablation(measured, config)
+    tokenizer = model_tokenizer(model, config)
+    check_sequences(tokenizer, documents, analysis.seq_len, analysis.sequences)
+    if measured is not None:
+        check_calibration_text(tokenizer, documents, measured)
 
 
 def convert_command(model: str, scores: str, out: str, selection: SelectionConfig = SelectionConfig(),
@@ -78,11 +103,23 @@ def convert_command(model: str, scores: str, out: str, selection: SelectionConfi
                  beside=True)
     check_replaceable(out_dir, "convert", force)
     head_scores = HeadScores.load(scores)
+    check_convert(model, head_scores, selection, mixer or MixerConfig())
     sweep_staging(out_dir.parent)  # what a convert that was killed while saving left
     net, tokenizer, _ = load_model(model)
     check_architecture(net.config)
     return convert_heads(net, tokenizer, head_scores, selection, mixer or MixerConfig(), init, str(model), out_dir,
                          command="convert")[1]
+
+
+def check_convert(model: str, scores: HeadScores, selection: SelectionConfig, mixer: MixerConfig) -> None:
+    """What `convert` would refuse, from the model's config, before any weight is loaded: an
+    architecture we cannot convert, scores of a model of another shape or without what the
+    scorer ranks by, a window beyond the model's positions."""
+    config = model_config(model)
+    check_architecture(config)
+    scores.check_shape(config, str(model))
+    selection.select(scores)
+    check_window_fits(config, mixer)
 
 
 RECIPE_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "trainable", "distill_weight", "ce_weight")  # train's flags a recipe sets
@@ -117,6 +154,7 @@ def train_command(directory: str, data: list[str], out: str, config: TrainConfig
                  replaced=force and not resume)
     if resume:
         check_checkpoint(out_dir / CHECKPOINT)
+    check_train(directory, data, config)
     # locked while training: a second train into the same --out is refused
     with claim_folder(out_dir, "train", keep=resume, replace=force and not resume, ours=made_by_train(out_dir),
                       hint="use --resume to continue or --force to start over"):
@@ -131,6 +169,17 @@ def train_command(directory: str, data: list[str], out: str, config: TrainConfig
     return summary
 
 
+def check_train(directory: str, data: list[str], config: TrainConfig) -> None:
+    """What `train` would refuse, from the folder's config and the text's length (counted no
+    further than one sequence), before any weight is loaded: a folder that is not a converted
+    model, sequences beyond its positions, too little text for one sequence."""
+    documents = load_documents(data)  # the files are there (read when counted)
+    check_converted(directory)
+    model = model_config(directory)
+    check_length(config.seq_len, model.get_text_config())
+    check_sequences(model_tokenizer(directory, model), documents, config.seq_len)
+
+
 def eval_command(model: str, task: str, out: str | None = None, placement: Placement = CPU, **options) -> dict:
     """Evaluate `model` (converted directory, model directory or known name) on `task`
     (`name` or `name:argument`, see `recurformer.evaluate`) where `placement` puts it;
@@ -142,6 +191,8 @@ def eval_command(model: str, task: str, out: str | None = None, placement: Place
         raise not_found(missing[0])
     if out:
         check_output(out, [model_path(model), *getattr(settings, "data", [])], SMALL_OUTPUT_BYTES, folder=False)
+    config = model_config(model)  # the task's checks, before any weight is loaded (`Task.check`)
+    chosen.preflight(settings, config, cache(lambda: model_tokenizer(model, config)))
     net, tokenizer = load_any(model, placement)
     metrics = {"model": str(model), "task": chosen.name, **chosen.measure(net.eval(), tokenizer, settings)}
     require_finite(metrics, f"--task {chosen.name} on {model}")  # never a NaN written as a result
@@ -157,6 +208,9 @@ def bench_command(directories: list[str], out: str, config: BenchConfig = BenchC
     check_output(out, directories, SMALL_OUTPUT_BYTES, folder=False)
     if plot:
         check_output(plot, directories, folder=False, flag="--plot")
+    for directory in directories:  # before any weight is loaded
+        check_converted(directory)
+        check_contexts(config, model_config(directory).get_text_config())
     converted = {str(d): load_converted(d, config.torch_dtype, config.torch_device)[0] for d in directories}
     original = load_teacher(next(iter(converted.values())), baseline, dtype=config.torch_dtype)
     result = against_original(converted, original, config, progress=lambda m: print(f"bench: {m}", flush=True))

@@ -284,8 +284,29 @@ def pack(ids: list[int], seq_len: int) -> Tensor:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
     count = len(ids) // seq_len
     if count == 0:
-        raise DataError(f"the data has {len(ids)} tokens, fewer than one sequence of {seq_len}")
+        raise _fewer_than_one(len(ids), seq_len)
     return torch.tensor(ids[: count * seq_len], dtype=torch.long).view(count, seq_len)
+
+
+def _fewer_than_one(total: int, seq_len: int) -> DataError:
+    return DataError(f"the data has {total} tokens, fewer than one sequence of {seq_len}")
+
+
+def _fewer_than_asked(num_sequences: int, seq_len: int, count: int) -> DataError:
+    return DataError(f"asked for {num_sequences} sequences of {seq_len} tokens, the data has {count}")
+
+
+def check_sequences(tokenizer, documents: Documents | Iterable[str], seq_len: int,
+                    num_sequences: int | None = None) -> None:
+    """Refuse, before any work, the data `token_sequences` would refuse (fewer tokens than one
+    sequence of `seq_len`, or than `num_sequences` of them), counting no further than the
+    tokens those sequences need."""
+    needed = seq_len * (num_sequences or 1)
+    total = count_tokens(tokenizer, documents, limit=needed)
+    if total < seq_len:
+        raise _fewer_than_one(total, seq_len)
+    if total < needed:
+        raise _fewer_than_asked(num_sequences, seq_len, total // seq_len)
 
 
 def check_length(seq_len: int, config) -> None:
@@ -315,12 +336,12 @@ def token_sequences(
     total = sum(lengths)
     count = total // seq_len
     if count == 0:
-        raise DataError(f"the data has {total} tokens, fewer than one sequence of {seq_len}")
+        raise _fewer_than_one(total, seq_len)
     order = list(range(count))
     random.Random(seed).shuffle(order)
     if num_sequences is not None:
         if num_sequences > count:
-            raise DataError(f"asked for {num_sequences} sequences of {seq_len} tokens, the data has {count}")
+            raise _fewer_than_asked(num_sequences, seq_len, count)
         order = order[:num_sequences]
     return torch.from_numpy(_gather(tokenizer, documents, lengths, seq_len, order)).long()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .checks import DamagedFileError, check_finite_weights, check_model_folder, read_json_object, weight_files
 from .config import ConfigError
@@ -34,22 +34,38 @@ def load_checked(directory: str | Path, dtype: torch.dtype = torch.float32, devi
         raise DamagedFileError(f"{directory}: its weights cannot be read ({str(error).splitlines()[0]})") from None
     files = weight_files(directory)
     check_finite_weights(model, files[0] if len(files) == 1 else directory)
-    return model.to(device), load_tokenizer(directory, model)
+    return model.to(device), load_tokenizer(directory, model.config)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(directory: Path, model):
+def load_tokenizer(directory: Path, config):
     """The tokenizer saved in `directory`, else (a converted model saved by `save_pretrained`
-    alone) the one of the model it was converted from; a one-line error if neither."""
+    alone) the one of the model it was converted from (`config`: the model's config); a
+    one-line error if neither."""
     if any((directory / name).is_file() for name in TOKENIZER_FILES):
         return AutoTokenizer.from_pretrained(directory)
-    source = getattr(model.config, "source_model", None)
+    source = getattr(config, "source_model", None)
     if source:
         return AutoTokenizer.from_pretrained(resolve_model(source, progress=False))
     raise ConfigError(f"{directory}: no tokenizer files, and no recorded source model to take them from; save the "
                       f"model's tokenizer beside it: tokenizer.save_pretrained('{directory}')")
+
+
+def model_config(name_or_path: str | Path):
+    """The config of a model (a path, a known name, a hub id; a converted folder's
+    `RecurFormerConfig`), its folder checked (`checks.check_model_folder`) but no weight
+    loaded: what the commands check their arguments against before any work."""
+    directory = resolve_model(name_or_path)
+    check_model_folder(directory)
+    return AutoConfig.from_pretrained(directory)
+
+
+def model_tokenizer(name_or_path: str | Path, config):
+    """The tokenizer `load_model` / `load_converted` give with the model whose config
+    (`model_config`) is `config`, without loading its weights."""
+    return load_tokenizer(resolve_model(name_or_path), config)
 
 
 def load_model(name_or_path: str, progress: bool = True, dtype: torch.dtype = torch.float32,
@@ -75,12 +91,17 @@ def is_converted(path: str | Path) -> bool:
 def load_converted(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
     """(RecurFormer model in `dtype` (fp32) on `device`, tokenizer) from a directory written by
     convert or train."""
+    check_converted(directory)
+    return load_checked(Path(directory), dtype, device)
+
+
+def check_converted(directory: str | Path) -> None:
+    """Refuse a directory that does not hold a converted RecurFormer model."""
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{directory}: not a model directory (no config.json)")
     if not is_converted(path):
         raise ConfigError(f"{directory}: not a converted RecurFormer model (run 'recurformer convert' first)")
-    return load_checked(path, dtype, device)
 
 
 def load_any(name_or_path: str, placement: Placement = CPU):

@@ -192,6 +192,14 @@ def _refusal(out: Path, command: str, keep: bool, replace: bool, ours: bool, hin
     return None
 
 
+def check_claim(out: str | Path, command: str, *, keep: bool = False, replace: bool = False, ours: bool = False,
+                hint: str = "use --force to start over") -> None:
+    """Refuse, without touching it, a folder `claim_folder` would refuse (same arguments)."""
+    refusal = _refusal(Path(out), command, keep, replace, ours, hint)
+    if refusal:
+        raise OutputError(refusal)
+
+
 def claim_folder(out: str | Path, command: str, *, keep: bool = False, replace: bool = False, ours: bool = False,
                  hint: str = "use --force to start over") -> Claim:
     """Hold the folder `out` for `command`: make it if needed, lock it (a second command is
@@ -200,9 +208,7 @@ def claim_folder(out: str | Path, command: str, *, keep: bool = False, replace: 
     `ours`: the caller recognizes it as `command`'s, e.g. from before markers existed);
     else it is refused and left untouched (no lock file is put into it)."""
     out = Path(out)
-    refusal = _refusal(out, command, keep, replace, ours, hint)
-    if refusal:
-        raise OutputError(refusal)
+    check_claim(out, command, keep=keep, replace=replace, ours=ours, hint=hint)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, option, require
 from ..corpus_sources import shared_corpora, shown_corpora
-from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, load_documents, tokenize_documents
+from ..data import EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, DataError, count_tokens, load_documents, tokenize_documents
 from ..device import to_model
 from ..loading import RECURFORMER_TYPE, is_converted, load_teacher
 from ..metrics import BASELINE, Metric, Row, per_model
@@ -63,21 +63,42 @@ class AgreementOptions:
         require(self.max_tokens >= self.context, f"--max-tokens must be >= --context, got {self.max_tokens}")
 
 
+def check_model(options: AgreementOptions, config) -> None:
+    """A converted model (`config`: its config), and a reference that is not one."""
+    if config.model_type != RECURFORMER_TYPE:
+        raise ConfigError("--task agreement compares a converted model with its original; this model is not converted")
+    reference_name = options.reference or config.source_model
+    if reference_name and is_converted(reference_name):
+        raise ConfigError(f"the reference {reference_name} is a converted model; give the original with --reference")
+
+
+def _too_short(path: str, tokens: int, options: AgreementOptions) -> DataError:
+    return DataError(f"{path} has {tokens:,} tokens, fewer than one window of --context {options.context}")
+
+
+def check(options: AgreementOptions, config, tokenizer=None) -> None:
+    """Before any work: windows the model's positions (`config`: its text config) hold and,
+    with `tokenizer`, a window's text in every file."""
+    limit = config.max_position_embeddings
+    require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
+    if tokenizer is not None:
+        for path in options.data:
+            tokens = count_tokens(tokenizer(), load_documents([path]), limit=options.context)
+            if tokens < options.context:
+                raise _too_short(path, tokens, options)
+
+
 def evaluate(model, tokenizer, options: AgreementOptions, original=None) -> dict:
     """KL and top-1 agreement of `model` against `original` (None: the model `--reference`
     names, else the one `model` records, loaded and checked by its fingerprint)."""
-    if model.config.model_type != RECURFORMER_TYPE:
-        raise ConfigError("--task agreement compares a converted model with its original; this model is not converted")
+    check_model(options, model.config)
     reference_name = options.reference or model.config.source_model
-    if reference_name and is_converted(reference_name):
-        raise ConfigError(f"the reference {reference_name} is a converted model; give the original with --reference")
-    limit = model.config.get_text_config().max_position_embeddings
-    require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
+    check(options, model.config.get_text_config())
     windows = []
     for path in options.data:
         ids = tokenize_documents(tokenizer, load_documents([path]), limit=options.max_tokens)
         if len(ids) < options.context:
-            raise DataError(f"{path} has {len(ids):,} tokens, fewer than one window of --context {options.context}")
+            raise _too_short(path, len(ids), options)
         usable = len(ids) // options.context * options.context
         windows.append((str(path), torch.tensor(ids[:usable]).view(-1, options.context)))
     reference = (original if original is not None else load_teacher(model, options.reference)).eval()
@@ -99,7 +120,7 @@ RUN_MODELS = ("final", BASELINE)
 register(Task(
     name="agreement", summary="KL to and top-1 agreement with the original model (docs/tasks.md)",
     options=AgreementOptions, evaluate=evaluate, report_order=30, run_options=run_options, run_models=RUN_MODELS,
-    needs_original=True,
+    needs_original=True, check=check, check_model=check_model,
     metrics=(
         *per_model("agreement", "top1_agreement", "top-1 agreement with the original", RUN_MODELS, fmt="{:.1%}",
                    better="higher", key="agreement_top1"),

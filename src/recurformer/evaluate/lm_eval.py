@@ -10,10 +10,14 @@ our tests use). Needs the optional `lm-eval` package: `pip install recurformer[e
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from ..config import ConfigError, option, require
 from .registry import Task, register
+
+
+MISSING = "lm-eval tasks need the 'lm-eval' package: pip install 'recurformer[eval]'"
 
 
 def run_lm_eval(
@@ -26,7 +30,7 @@ def run_lm_eval(
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise ConfigError("lm-eval tasks need the 'lm-eval' package: pip install 'recurformer[eval]'") from None
+        raise ConfigError(MISSING) from None
     names = [t for t in tasks.split(",") if t]
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in names if t not in manager.all_tasks]
@@ -58,10 +62,15 @@ class LMEvalOptions:
         require(self.problems is None or self.problems >= 1, f"--problems must be >= 1, got {self.problems}")
 
 
+def check(options: LMEvalOptions, config, tokenizer=None) -> None:
+    """Before any work: the optional package is installed (found, not imported)."""
+    require(importlib.util.find_spec("lm_eval") is not None, MISSING)
+
+
 def evaluate(model, tokenizer, options: LMEvalOptions) -> dict:
     return run_lm_eval(model, tokenizer, options.tasks, limit=options.problems, batch_size=options.batch_size,
                        num_fewshot=options.fewshot, include_path=options.lm_eval_include)
 
 
 register(Task(name="lm-eval", summary="lm-evaluation-harness tasks (needs recurformer[eval])",
-              options=LMEvalOptions, evaluate=evaluate, argument="tasks"))
+              options=LMEvalOptions, evaluate=evaluate, argument="tasks", check=check))

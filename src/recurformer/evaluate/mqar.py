@@ -24,17 +24,23 @@ def mqar_accuracy(
     """In-context associative recall with real tokens: MQAR sequences whose ids are mapped
     onto a fixed pool of the tokenizer's single-token words, scored on the queried values
     (teacher-forced, one forward pass per batch, the logits a chunk of positions at a time)."""
-    try:
-        pool = word_pool(tokenizer, 2 * num_kv_pairs * 8)
-        data = mqar_tokens(num_examples, seq_len, num_kv_pairs, vocab_size=len(pool), seed=seed)
-    except ValueError as error:  # sizes the tokenizer or the context cannot meet: one line, as passkey does
-        raise ConfigError(f"--task mqar: {error}") from None
+    pool, data = mqar_inputs(tokenizer, num_examples, seq_len, num_kv_pairs, seed)
     labels = torch.where(data["labels"] >= 0, pool[data["labels"].clamp_min(0)], data["labels"])
     ids, labels = to_model(model, pool[data["input_ids"]], labels)
     # the greedy guesses, not the logits: 32 sequences of 1,024 tokens have 6.4 GB of logits
     guesses = torch.cat([greedy_tokens(model, ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)])
     predictions = torch.cat([torch.full_like(guesses[:, :1], -1), guesses[:, :-1]], dim=1)  # aligned with labels
     return {"task": "mqar", "seq_len": seq_len, "num_kv_pairs": num_kv_pairs, **score_mqar(predictions, labels)}
+
+
+def mqar_inputs(tokenizer, num_examples: int, seq_len: int, num_kv_pairs: int, seed: int = 0) -> tuple[Tensor, dict]:
+    """(the word pool, the MQAR sequences over it); sizes the tokenizer or the context cannot
+    meet a one-line error."""
+    try:
+        pool = word_pool(tokenizer, 2 * num_kv_pairs * 8)
+        return pool, mqar_tokens(num_examples, seq_len, num_kv_pairs, vocab_size=len(pool), seed=seed)
+    except ValueError as error:  # sizes the tokenizer or the context cannot meet: one line, as passkey does
+        raise ConfigError(f"--task mqar: {error}") from None
 
 
 def word_pool(tokenizer, size: int) -> Tensor:
@@ -64,6 +70,13 @@ class MQAROptions:
         require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
 
 
+def check(options: MQAROptions, config, tokenizer=None) -> None:
+    """Before any work, with `tokenizer`: words for the pairs, pairs that fit the context (one
+    sequence made)."""
+    if tokenizer is not None:
+        mqar_inputs(tokenizer(), 1, options.context, options.kv_pairs, options.seed)
+
+
 def evaluate(model, tokenizer, options: MQAROptions) -> dict:
     return mqar_accuracy(model, tokenizer, num_examples=options.problems, seq_len=options.context,
                          num_kv_pairs=options.kv_pairs, seed=options.seed, batch_size=options.batch_size)
@@ -77,7 +90,7 @@ def run_options(settings: RunSettings) -> dict[str, MQAROptions]:
 
 register(Task(
     name="mqar", summary="multi-query associative recall over real word tokens, token accuracy (docs/tasks.md)",
-    options=MQAROptions, evaluate=evaluate, report_order=20, run_options=run_options,
+    options=MQAROptions, evaluate=evaluate, check=check, report_order=20, run_options=run_options,
     metrics=(
         *per_model("mqar", "accuracy", "MQAR token accuracy", ("original", "final"), fmt="{:.0%}", better="higher"),
         Metric("mqar_problems", "MQAR sequences", lambda r: r.result("mqar", "original")["n"]),

@@ -59,10 +59,15 @@ class PasskeyOptions:
         require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
 
 
-def evaluate(model, tokenizer, options: PasskeyOptions) -> dict:
-    limit = model.config.get_text_config().max_position_embeddings
+def check(options: PasskeyOptions, config, tokenizer=None) -> None:
+    """Before any work: prompts and answers the model's positions (`config`: its text config) hold."""
+    limit = config.max_position_embeddings
     require(options.context + 8 <= limit, f"--context {options.context} (+ 8 generated tokens) is longer than the "
             f"model allows ({limit} positions)")
+
+
+def evaluate(model, tokenizer, options: PasskeyOptions) -> dict:
+    check(options, model.config.get_text_config())
     haystack = tokenize_documents(tokenizer, load_documents(options.data))
     return passkey_accuracy(model, tokenizer, haystack, options.context, options.depths, options.problems,
                             seed=options.seed, fmt=options.format, batch_size=options.batch_size)
@@ -70,5 +75,5 @@ def evaluate(model, tokenizer, options: PasskeyOptions) -> dict:
 
 register(Task(
     name="passkey", summary="a 5-digit key hidden in real text, greedy generation, exact match (docs/tasks.md)",
-    options=PasskeyOptions, evaluate=evaluate, report_order=15,
+    options=PasskeyOptions, evaluate=evaluate, check=check, report_order=15,
 ))

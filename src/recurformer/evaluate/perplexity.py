@@ -98,9 +98,14 @@ class PerplexityOptions:
         require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
 
 
+def check(options: PerplexityOptions, config, tokenizer=None) -> None:
+    """Before any work: windows the model's positions (`config`: its text config) hold."""
+    check_length(options.context, config)
+
+
 def evaluate(model, tokenizer, options: PerplexityOptions) -> dict:
     documents = load_documents(options.data)
-    check_length(options.context, model.config.get_text_config())
+    check(options, model.config.get_text_config())
     ids = torch.tensor(tokenize_documents(tokenizer, documents, limit=options.max_tokens))
     result = perplexity(model.eval(), ids, context=options.context, stride=options.stride, batch_size=options.batch_size)
     return {"data": [str(p) for p in options.data], **result.to_dict()}
@@ -138,7 +143,7 @@ def recovery_section(m: dict, evaluation: dict) -> tuple[str, list[str]]:
 
 register(Task(
     name="ppl", summary="perplexity of a text (--data), in windows of --context tokens",
-    options=PerplexityOptions, evaluate=evaluate, report_order=0,
+    options=PerplexityOptions, evaluate=evaluate, check=check, report_order=0,
     report_section=recovery_section,
     run_options=run_options, run_models={"ppl": (*MODELS, BASELINE), "ppl-ood": ("original", "final", BASELINE)},
     metrics=(

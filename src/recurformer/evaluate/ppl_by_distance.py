@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import option, require
 from ..corpus_sources import shared_corpora, shown_corpora
-from ..data import EVAL_CORPORA, DataError, load_documents, tokenize_documents
+from ..data import EVAL_CORPORA, DataError, count_tokens, load_documents, tokenize_documents
 from ..device import to_model
 from ..metrics import BASELINE, Metric, Row
 from .logits import chunked_logits, last_hidden
@@ -96,14 +96,29 @@ class PplByDistanceOptions:
         require(self.sequences >= 1, f"--sequences must be >= 1, got {self.sequences}")
 
 
-def evaluate(model, tokenizer, options: PplByDistanceOptions) -> dict:
-    limit = model.config.get_text_config().max_position_embeddings
+def _too_short(tokens: int, options: PplByDistanceOptions) -> DataError:
+    return DataError(f"--data has {tokens:,} tokens, fewer than --sequences {options.sequences} x --context "
+                     f"{options.context}")
+
+
+def check(options: PplByDistanceOptions, config, tokenizer=None) -> None:
+    """Before any work: sequences the model's positions (`config`: its text config) hold and,
+    with `tokenizer`, text for all of them."""
+    limit = config.max_position_embeddings
     require(options.context <= limit, f"--context {options.context} is longer than the model allows ({limit} positions)")
+    if tokenizer is not None:
+        needed = options.sequences * options.context
+        tokens = count_tokens(tokenizer(), load_documents(options.data), limit=needed)
+        if tokens < needed:
+            raise _too_short(tokens, options)
+
+
+def evaluate(model, tokenizer, options: PplByDistanceOptions) -> dict:
+    check(options, model.config.get_text_config())
     needed = options.sequences * options.context
     ids = tokenize_documents(tokenizer, load_documents(options.data), limit=needed)
     if len(ids) < needed:
-        raise DataError(f"--data has {len(ids):,} tokens, fewer than --sequences {options.sequences} x --context "
-                        f"{options.context}")
+        raise _too_short(len(ids), options)
     sequences = torch.tensor(ids[:needed]).view(options.sequences, options.context)
     result = loss_by_distance(model.eval(), sequences)
     return {"data": [str(p) for p in options.data], **result}
@@ -152,7 +167,8 @@ def distance_section(m: dict, evaluation: dict) -> tuple[str, list[str]]:
 
 register(Task(
     name="ppl-by-distance", summary="loss by token position on long held-out sequences (docs/tasks.md)",
-    options=PplByDistanceOptions, evaluate=evaluate, report_order=5, run_options=run_options, run_models=RUN_MODELS,
+    options=PplByDistanceOptions, evaluate=evaluate, check=check, report_order=5, run_options=run_options,
+    run_models=RUN_MODELS,
     report_section=distance_section,
     metrics=(
         Metric("ppl_far_from", "first position of the far buckets", lambda r: far_buckets(r, "original")[0]["start"],

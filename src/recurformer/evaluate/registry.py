@@ -42,6 +42,16 @@ class Task:
     and summary table, where tasks come in `report_order`; `report_section(metrics,
     evaluation)`, if given, returns the title and Markdown lines of the task's own section
     of the run's report (`metrics`: metrics.json's values; `evaluation`: eval.json).
+
+    `check(options, config, tokenizer)` refuses, before any model is loaded or any input
+    built, what the options cannot do on a model whose text config is `config` (positions
+    beyond the model's, problems that cannot fit the context) and, when `tokenizer` is given
+    (a function returning the model's tokenizer, called only by a check that needs it), text
+    too short for the options, counting no more tokens than they need; `evaluate` makes the
+    same checks (without `tokenizer`: the text is checked as it is read). `check_model(options,
+    config)` refuses a model the task cannot evaluate at all (`config`: the model's own, e.g.
+    one that is not converted); `recurformer eval` makes both checks, `run` (whose models are
+    its own) the first.
     """
 
     name: str
@@ -56,6 +66,8 @@ class Task:
     report_order: int = 100
     needs_original: bool = False
     report_section: Callable[[dict, dict], tuple[str, list[str]]] | None = None
+    check: Callable[[Any, Any, Callable[[], Any] | None], None] | None = None
+    check_model: Callable[[Any, Any], None] | None = None
 
     def measure(self, model, tokenizer, options, original=None) -> dict:
         """The task's results on `model`; `original`: the model it was converted from, for
@@ -63,6 +75,14 @@ class Task:
         if self.needs_original:
             return self.evaluate(model, tokenizer, options, original)
         return self.evaluate(model, tokenizer, options)
+
+    def preflight(self, options, config, tokenizer: Callable[[], Any] | None = None, model: bool = True) -> None:
+        """The task's checks before any work (`check`, and with `model`, `check_model`) for
+        a model of `config` (its whole config: a converted model's `RecurFormerConfig`)."""
+        if model and self.check_model is not None:
+            self.check_model(options, config)
+        if self.check is not None:
+            self.check(options, config.get_text_config(), tokenizer)
 
     def option_names(self) -> list[str]:
         return [f.name for f in fields(self.options)]

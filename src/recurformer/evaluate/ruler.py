@@ -102,12 +102,17 @@ class RulerOptions:
         check_tasks(self.tasks)
 
 
-def evaluate(model, tokenizer, options: RulerOptions) -> dict:
-    tasks = parse_tasks(options.tasks)
-    limit = model.config.get_text_config().max_position_embeddings
-    longest = max(TASKS[name].max_new_tokens for name in tasks)
+def check(options: RulerOptions, config, tokenizer=None) -> None:
+    """Before any work: prompts and answers the model's positions (`config`: its text config) hold."""
+    limit = config.max_position_embeddings
+    longest = max(TASKS[name].max_new_tokens for name in parse_tasks(options.tasks))
     require(options.context + longest <= limit, f"--context {options.context} (+ up to {longest} generated tokens) "
             f"is longer than the model allows ({limit} positions)")
+
+
+def evaluate(model, tokenizer, options: RulerOptions) -> dict:
+    tasks = parse_tasks(options.tasks)
+    check(options, model.config.get_text_config())
     problems = ruler_problems(tokenizer, options.data, tasks, options.context, options.problems, options.seed,
                               options.format)
     records = answer_problems(model, tokenizer, problems)
@@ -132,7 +137,8 @@ RUN_MODELS = ("original", "final", BASELINE)
 register(Task(
     name="ruler", summary="RULER-style needles, variable tracking and word counts in held-out text, greedy "
                           "generation after a prefill, RULER's string match (docs/tasks.md)",
-    options=RulerOptions, evaluate=evaluate, report_order=16, run_options=run_options, run_models=RUN_MODELS,
+    options=RulerOptions, evaluate=evaluate, check=check, report_order=16, run_options=run_options,
+    run_models=RUN_MODELS,
     metrics=(
         *per_model("ruler", "mean", "RULER mix, mean string match (0-100)", RUN_MODELS, fmt="{:.1f}", better="higher"),
         Metric("ruler_problems", "RULER mix: problems per task", lambda r: r.result("ruler", "original")["problems"]),

@@ -167,9 +167,22 @@ class SharedContextOptions:
         parse_modes(self.modes)
 
 
+def check(options: SharedContextOptions, config, tokenizer=None) -> None:
+    """Before any work (the contexts take minutes to make at 100K tokens): a context of
+    `--context` tokens and its question turns, each at least a token of question, one of
+    answer and `EXTRA_TOKENS`, within the model's positions (`config`: its text config).
+    `evaluate` checks the conversations' exact length once they are made."""
+    limit = config.max_position_embeddings
+    questions = options.questions or options.needles
+    require(options.context + questions * (2 + EXTRA_TOKENS) <= limit,
+            f"--context {options.context} and {questions} question turns reach more positions than the model allows "
+            f"({limit:,}); ask fewer --questions or a shorter --context")
+
+
 def evaluate(model, tokenizer, options: SharedContextOptions) -> dict:
     modes = parse_modes(options.modes)
     questions = options.questions or options.needles
+    check(options, model.config.get_text_config())
     problems = shared_problems(tokenizer, options.data, options.contexts, options.context, options.needles, questions,
                                options.seed, options.format)
     limit = model.config.get_text_config().max_position_embeddings
@@ -187,5 +200,5 @@ def evaluate(model, tokenizer, options: SharedContextOptions) -> dict:
 register(Task(
     name="shared-context", summary="one context of held-out text with many facts, many questions from copies of "
                                    "its cache or in one conversation; exact match, gold log-probability (docs/tasks.md)",
-    options=SharedContextOptions, evaluate=evaluate, report_order=17,
+    options=SharedContextOptions, evaluate=evaluate, check=check, report_order=17,
 ))

@@ -5,8 +5,9 @@ of the stages' work, `layout.py` the run folder, `stages.py` the stages and the 
 share; `run_pipeline` (here) runs the stages that have not finished yet, in order.
 Each stage writes its outputs atomically and then its marker `stages/<name>.json`; a
 re-run skips every stage whose marker exists, and a training stage interrupted mid-way
-resumes from its last checkpoint. A folder made by another configuration is refused
-before any work starts.
+resumes from its last checkpoint. Before the folder is claimed, everything the stages
+still to run would refuse that the configuration, the model's config and the texts' lengths
+show is checked (`check_stages`), and a folder made by another configuration is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..hub import resolve_model
 from ..memory import PeakMemory
 from .config import RunConfig, Sizes
 from .layout import RUN_SCHEMA, RunLayout
-from .stages import STAGES, Run, Stage, analyze_heads, convert_heads, metric_table, run_tasks
+from .stages import STAGES, Run, Stage, analyze_heads, check_stages, convert_heads, metric_table, run_tasks
 
 
 def stage_weights(config: RunConfig) -> dict[str, float]:
@@ -40,12 +41,16 @@ def stage_weights(config: RunConfig) -> dict[str, float]:
 def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progress: bool = True,
                  stages: list[tuple[str, Stage, float]] | None = None) -> dict:
     """Run (or continue) every stage of `config` in `out`; returns the metrics. The model is
-    resolved (fetched once if it is a known name) first: the mixer's shape depends on it."""
+    resolved (fetched once if it is a known name) first: the mixer's shape depends on it. Then
+    `--out` and the stages still to run (all of them with `force`) are checked (`check_stages`),
+    before the folder is claimed and the first of them starts."""
     directory = resolve_model(config.model)
     check_model_folder(directory)  # damaged files: one line, before anything is written
     config = config.for_model(AutoConfig.from_pretrained(directory))
     run = Run(config, out)
     plan = stages or STAGES
+    run.check_out(force)
+    check_stages(run, {name for name, _, _ in plan if force or run.layout.record(name) is None})
     weights = stage_weights(config)
     total = round(sum(weights.get(name, seconds) for name, _, seconds in plan))
     # the run folder is locked until the run ends; the bar is closed before an error is shown
@@ -65,4 +70,4 @@ def run_pipeline(config: RunConfig, out: str | Path, force: bool = False, progre
 
 
 __all__ = ["RUN_SCHEMA", "STAGES", "Run", "RunConfig", "RunLayout", "Sizes", "Stage", "analyze_heads",
-           "convert_heads", "metric_table", "run_pipeline", "run_tasks", "stage_weights"]
+           "check_stages", "convert_heads", "metric_table", "run_pipeline", "run_tasks", "stage_weights"]

@@ -20,7 +20,7 @@ from ..config import ConfigError, require
 from ..errors import RecurformerError
 from ..files import write_json_atomic
 from ..metrics import MODELS
-from ..outputs import Claim, check_output, claim_folder, size_of
+from ..outputs import Claim, check_claim, check_output, claim_folder, size_of
 from .config import RunConfig
 
 RUN_SCHEMA = "recurformer-run/2"
@@ -58,6 +58,16 @@ class RunLayout:
     def finish(self, stage: str, record: dict) -> None:
         write_json_atomic(self.marker(stage), record)
 
+    def check_out(self, config: dict, force: bool, inputs: list[str | Path], need_bytes: int) -> None:
+        """Refuse, without writing anything, what `claim` would refuse: an `--out` that is one
+        of the `inputs` or inside one, cannot be written or has no room for `need_bytes` more
+        (`outputs.check_output`), a folder that is not a run's (`outputs.check_claim`), or,
+        without `force`, a run of another configuration."""
+        check_output(self.root, inputs, need_bytes - (0 if force else size_of(self.root)), replaced=force)
+        check_claim(self.root, "run", keep=True, replace=force, ours=_run_settings(self.settings) is not None)
+        if not force and self.settings.is_file():
+            self._check_settings(config)
+
     def claim(self, config: dict, force: bool, inputs: list[str | Path], need_bytes: int) -> Claim:
         """Check `--out` before any work (not one of the `inputs` nor inside one, writable,
         room for `need_bytes` more), then hold the folder (`outputs.claim_folder`: locked while
@@ -77,10 +87,14 @@ class RunLayout:
     def _check_or_write_settings(self, config: dict) -> None:
         """Write run.json, or check that the one there is of this schema and configuration; a
         field it lacks (added to `RunConfig` since it was written) counts as its default."""
-        out = self.root
         if not self.settings.is_file():
             write_json_atomic(self.settings, {"schema": RUN_SCHEMA, "config": config})
             return
+        self._check_settings(config)
+
+    def _check_settings(self, config: dict) -> None:
+        """Refuse run.json of another schema or configuration than `config`."""
+        out = self.root
         saved = read_json_object(self.settings, "run settings")
         if saved.get("schema") != RUN_SCHEMA:
             raise ConfigError(f"run directory {out} was made by an older recurformer ({saved.get('schema')}); "

@@ -1,8 +1,10 @@
 """The stages of `recurformer run`, in order, and the `Run` they share.
 
 1. `resolve`   the model (fetched once into the local cache if it is a known name), and the
-               checks that need it: its architecture, the window, the training sequences'
-               length, the evaluation texts' length, the retrieval mix (made here)
+               retrieval mix (made here). Before it, before the run folder is claimed,
+               `check_stages` checks what every stage still to run would refuse (the
+               architecture, the window, each stage's lengths against the model's
+               positions, the texts' lengths) from the model's config and its tokenizer
 2. `analyze`   head statistics and scores on the training text -> scores.json, heads.png
 3. `convert`   replace the top-beta KV groups -> converted/
 4. `plan`      time one step of each training stage and turn the budget into step counts
@@ -37,18 +39,18 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig
 
-from ..ablation import AblationConfig
+from ..ablation import AblationConfig, check_ablation, check_calibration_text
 from ..attention import check_window_fits
-from ..bench import against_original
-from ..checks import check_model_folder, require_finite
+from ..bench import against_original, check_contexts
+from ..checks import require_finite
 from ..config import check_replaces_some
 from ..device import resolve_device
-from ..data import Corpus, DataError, check_length, count_tokens, load_documents, token_sequences
+from ..data import Corpus, DataError, check_length, check_sequences, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
 from ..evaluate import TASKS, RunSettings, Task
 from ..files import write_json_atomic, write_text_atomic
 from ..hub import model_path, resolve_model
-from ..loading import load_converted, load_model, model_bytes, portable_name, save_model
+from ..loading import load_converted, load_model, load_tokenizer, model_bytes, portable_name, save_model
 from ..memory import release_freed_memory
 from ..metrics import BASELINE, MODELS, Metric, Row, RunResults, by_key, collect, run_metric_table
 from ..mixers import MixerConfig
@@ -114,30 +116,44 @@ class Run:
     def out(self) -> Path:
         return self.layout.root
 
+    def _inputs(self) -> tuple[list[str | Path], int]:
+        """What the run reads (which `--out` must not be) and the bytes it writes."""
+        config = self.config
+        return ([model_path(config.model), *config.data, *config.eval_data, *config.ood_data],
+                RUN_MODEL_COPIES * model_bytes(config.model))
+
+    def check_out(self, force: bool) -> None:
+        """Refuse, before any work, a run folder `claim` would refuse (`RunLayout.check_out`)."""
+        self.layout.check_out(self.config.to_dict(), force, *self._inputs())
+
     def claim(self, force: bool) -> Claim:
         """Hold the run folder for this configuration (`RunLayout.claim`): `with run.claim(force):`."""
-        config = self.config
-        inputs = [model_path(config.model), *config.data, *config.eval_data, *config.ood_data]
-        return self.layout.claim(config.to_dict(), force, inputs, RUN_MODEL_COPIES * model_bytes(config.model))
+        return self.layout.claim(self.config.to_dict(), force, *self._inputs())
 
     @cached_property
-    def _loaded_original(self):
-        model, tokenizer, _ = load_model(self.config.model, device=self.device)
-        return model, tokenizer
+    def directory(self) -> Path:
+        """The original model's folder (fetched once if it is a known name)."""
+        return resolve_model(self.config.model)
+
+    @cached_property
+    def model_config(self):
+        """The original model's config, read without its weights."""
+        return AutoConfig.from_pretrained(self.directory)
 
     @property
     def device(self):
         """Where the stages run (`--device`)."""
         return resolve_device(self.config.device)
 
-    @property
+    @cached_property
     def original(self):
         """The original model, loaded once."""
-        return self._loaded_original[0]
+        return load_model(self.config.model, device=self.device)[0]
 
-    @property
+    @cached_property
     def tokenizer(self):
-        return self._loaded_original[1]
+        """The original model's tokenizer, loaded without the model."""
+        return load_tokenizer(self.directory, self.model_config)
 
     @cached_property
     def train_documents(self) -> Corpus:
@@ -217,25 +233,61 @@ def evaluation_tokens(settings: RunSettings) -> int:
     return max(getattr(options, "context", 0) for task in run_tasks() for options in task.run_options(settings).values())
 
 
-def resolve(run: Run) -> dict:
-    """Fetch the model, and check before any long work that it takes the mixer, that its
-    positions hold a training sequence, that the evaluation texts are long enough and, with a
-    retrieval share, that the training sequences hold their facts and questions (made now)."""
-    directory = resolve_model(run.config.model)
-    check_model_folder(directory)
-    config = AutoConfig.from_pretrained(directory)
+TRAINING = ("plan", "transfer", "lm")  # the stages that read the training sequences
+
+
+def check_stages(run: Run, pending: set[str]) -> None:
+    """Refuse what the stages in `pending` would refuse that the configuration, the model's
+    config and the texts' lengths show, before the first stage starts (`run_pipeline` calls it
+    before it claims the run folder): no weight is loaded and no input built, except, with a
+    retrieval share and training to come, the training sequences (`Run.train_sequences`, made
+    from the tokenizer alone and kept for the stages). The checks that read only configs come
+    first, then those that count tokens (no more than each stage reads), each in stage order.
+    The model's folder is checked before (`run_pipeline`: `checks.check_model_folder`)."""
+    config, sizes, settings = run.model_config, run.sizes, run.task_settings()
+    evaluations = [(task, options) for task in run_tasks() for options in task.run_options(settings).values()]
+    measured = run.config.selection.needs.measurement(sizes.ablation)
     check_architecture(config)
-    check_window_fits(config, run.config.mixer_config())
-    check_replaces_some(run.config.beta, config.num_hidden_layers * config.num_key_value_heads)
-    check_length(run.recipe.sequence_length, config)
-    needed = evaluation_tokens(run.task_settings())
-    for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
-        tokens = count_tokens(run.tokenizer, load_documents(paths), limit=needed)
-        if tokens < needed:
-            raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
+    if pending & {"resolve", "convert"}:
+        check_window_fits(config, run.config.mixer_config())
+        check_replaces_some(run.config.beta, config.num_hidden_layers * config.num_key_value_heads)
+    if pending & {"resolve", *TRAINING}:
+        check_length(run.recipe.sequence_length, config)
+    if "analyze" in pending:
+        check_length(sizes.analysis.seq_len, config)
+        if measured is not None:
+            check_ablation(measured, config)
+    if "evaluate" in pending:
+        for task, options in evaluations:
+            task.preflight(options, config, model=False)
+    if "bench" in pending:
+        check_contexts(sizes.bench, config)
+    if pending & {"resolve", "evaluate"}:
+        needed = evaluation_tokens(settings)
+        for flag, paths in (("--eval-data", run.config.eval_data), ("--ood-data", run.config.ood_data)):
+            tokens = count_tokens(run.tokenizer, load_documents(paths), limit=needed)
+            if tokens < needed:
+                raise DataError(f"{flag} has {tokens:,} tokens; the evaluation needs at least {needed:,}")
+    if pending & {"resolve", *TRAINING}:
+        if run.config.retrieval_share > 0:
+            run.train_sequences  # made now: do the facts and questions fit?
+        else:
+            check_sequences(run.tokenizer, run.train_documents, run.recipe.sequence_length)
+    if "analyze" in pending:
+        check_sequences(run.tokenizer, run.train_documents, sizes.analysis.seq_len, sizes.analysis.sequences)
+        if measured is not None:
+            check_calibration_text(run.tokenizer, run.train_documents, measured)
+    if "evaluate" in pending:
+        for task, options in evaluations:
+            task.preflight(options, config, lambda: run.tokenizer, model=False)
+
+
+def resolve(run: Run) -> dict:
+    """The model's folder and, with a retrieval share, the number of training sequences (made,
+    with the checks of every stage, by `check_stages` before the run folder was claimed)."""
     if run.config.retrieval_share > 0:
-        return {"directory": str(directory), "training_sequences": len(run.train_sequences)}
-    return {"directory": str(directory)}
+        return {"directory": str(run.directory), "training_sequences": len(run.train_sequences)}
+    return {"directory": str(run.directory)}
 
 
 def analyze(run: Run) -> dict:

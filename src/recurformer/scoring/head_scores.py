@@ -113,15 +113,18 @@ class HeadScores:
             reason = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
             raise ConfigError(f"{source} is malformed ({reason})") from None
 
-    def check_model(self, model, name: str = "this model") -> None:
-        """Refuse to apply these scores to a model of another shape or with other weights."""
-        config = model.config
+    def check_shape(self, config, name: str = "this model") -> None:
+        """Refuse to apply these scores to a model of another shape (`config`: its config)."""
         shape = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
         if shape != (self.num_layers, self.num_heads, self.num_kv_heads):
             raise ConfigError(
                 f"scores are for a model with layers x heads x kv_heads = {self.num_layers} x {self.num_heads} x "
                 f"{self.num_kv_heads}, {name} has {shape[0]} x {shape[1]} x {shape[2]}"
             )
+
+    def check_model(self, model, name: str = "this model") -> None:
+        """Refuse to apply these scores to a model of another shape or with other weights."""
+        self.check_shape(model.config, name)
         fingerprint = model_fingerprint(model)
         if self.fingerprint and self.fingerprint != fingerprint:
             raise ConfigError(f"scores were computed on another model ({self.model}, fingerprint {self.fingerprint}), "
