@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TRITON ?= triton>=3.8
 TRITON_STAMP := $(VENV)/.triton
 
-.PHONY: install test smoke test-all demo bench clean gpu-check
+.PHONY: install test smoke test-all demo bench clean gpu-check engine
 
 install: $(STAMP)
 
@@ -26,16 +26,25 @@ $(TRITON_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet "$(TRITON)" || echo "Triton not installed: the checks of the GPU kernels in its interpreter will be skipped"
 	touch $(TRITON_STAMP)
 
-# The fast suite: tiny random models, no network, no real model.
+# The engine: llama.cpp with the recurformer architecture, built into ENGINE_DIR (docs/engine.md).
+# Exit 3 means no C++ compiler or CMake here: the engine's tests are then skipped, with a note.
+ENGINE_DIR ?= .engine
+engine: install
+	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh
+
+# The fast suite: tiny random models, no network, no real model. It builds what the engine's tests
+# run first, where it can: the library, its parity tool and llama-server (tests/test_engine*.py).
 test: install $(TRITON_STAMP)
+	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) ENGINE_TARGETS="llama llama-server" bash engine/build.sh || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 # The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.
 smoke: install
 	$(BIN)/python -m pytest -q -m smoke
 
-# Everything, including tests that fetch and use the real SmolLM2-135M model.
+# Everything, including tests that fetch and use the real SmolLM2-135M model (and the whole engine).
 test-all: install
+	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q
 
 # The main job on the default model and the default corpora: ../shared/data where it exists,

@@ -26,6 +26,7 @@ from .dataset_ids import text_file
 from .device import Placement
 from .errors import RecurformerError
 from .evaluate import TASKS
+from .export import DEFAULT_TYPE, TYPES, export_command
 from .hub import with_revision
 from .mixers import MixerConfig
 from .run import RunConfig, run_pipeline
@@ -192,6 +193,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    print(json.dumps(export_command(with_revision(args.model, args.revision), args.out, args.type)))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.model_argument and args.model and args.model_argument != args.model:
         raise ConfigError(f"MODEL {args.model_argument!r} and --model {args.model!r} disagree; give one")
@@ -295,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, commands.GenerationOptions)
     add_options(p, Placement)
     p.set_defaults(func=cmd_generate)
+
+    p = subcommands.add_parser("export", help="write a converted (or original) model as a GGUF file for llama.cpp")
+    p.add_argument("model", help="converted directory, or a model as for analyze (" + model_help + ")")
+    p.add_argument("--revision", help=revision_help)
+    p.add_argument("--out", required=True, help="GGUF file to write (docs/engine.md)")
+    p.add_argument("--type", default=DEFAULT_TYPE, choices=TYPES, help=f"tensor type (default: {DEFAULT_TYPE}; norms "
+                   "and the tail's small tensors stay f32)")
+    p.set_defaults(func=cmd_export)
 
     p = subcommands.add_parser("run", help="the whole method end to end: analyze, convert, train, evaluate, bench, report")
     p.add_argument("model_argument", nargs="?", metavar="MODEL", help=f"{model_help}; or --model (default: "

@@ -1,0 +1,316 @@
+"""The conversion against the original in one patched llama.cpp build (issue 62, docs/engine.md).
+
+Makes the GGUFs first (cached in `--work`): SmolLM2-135M, and its default conversions at beta
+0.5 and 0.75 (the groups the example run's scores pick, docs/results/example-run/scores.json;
+the window+mamba2 mixer, untrained: speed and memory do not depend on the weights' values, and
+the tail is computed whatever its gate), each at F32 and Q8_0 through `recurformer export`.
+Then, on `--threads` threads, one model at a time, flash attention on for every row:
+
+- decode tokens/s of `--decode` tokens after 512, 2,048, 4,096 and 8,150 tokens (`llama-bench -d`);
+- prefill seconds of 8,150 tokens (`llama-bench -p`);
+- the engine's own report of its KV cache and recurrent state at an 8,192-token context
+  (the `llama_kv_cache` / `llama_memory_recurrent` lines `llama-completion` logs);
+- held-out perplexity (8 chunks of 512 tokens, `llama-perplexity`) at F32 and Q8_0, beside
+  PyTorch's under the same protocol;
+- decode tokens/s of 16 sequences together, 128 tokens each after one shared 4,096-token prompt
+  in a unified cache (`llama-batched-bench -pps -kvu`: its S_TG, all sequences' tokens), Q8_0.
+
+Each model's row is kept in `--work` as it is measured, so an interrupted run goes on where it
+stopped (delete `--work`/rows to measure again).
+
+Each conversion's ratio to the original of the same weight type comes with its limit from
+bytes: what a decode step reads (weights, the kept heads' cache over the whole context, the
+window heads' cache over their window) for the original over the same for the conversion.
+
+    python -m benchmarks.speed.engine [--engine .engine] [--work runs/engine-bench] [--quick]
+
+Writes docs/results/engine.json and prints the markdown of docs/results/engine.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from recurformer.files import write_json_atomic
+
+from benchmarks.common import HELD_OUT, RESULTS, ROOT
+from benchmarks.speed.llama_cpp import llama_bench
+
+SCORES = RESULTS / "example-run" / "scores.json"
+BETAS = (0.5, 0.75)
+TYPES = ("f32", "q8_0")
+CONTEXTS = (512, 2048, 4096, 8150)
+PREFILL = 8150
+MEMORY_CONTEXT = 8192
+BATCH = dict(sequences=16, prompt=4096, generate=128)
+PPL_CONTEXT, PPL_CHUNKS = 512, 8  # llama-perplexity's chunks of held-out text
+
+
+def model_names() -> list[str]:
+    return ["original", *(f"beta{beta}" for beta in BETAS)]
+
+
+def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
+    """(name, type) -> GGUF, exported once into `work`."""
+    from recurformer.export import export_command
+    from recurformer.loading import load_model
+    from recurformer.mixers import MixerConfig
+    from recurformer.scoring import HeadScores, select_heads
+    from recurformer.surgery import convert
+
+    work.mkdir(parents=True, exist_ok=True)
+    sources = {"original": "smollm2-135m"}
+    model = tokenizer = None
+    for beta in BETAS:
+        folder = work / f"beta{beta}"
+        if not (folder / "config.json").exists():
+            if model is None:
+                model, tokenizer, _ = load_model("smollm2-135m", progress=False)
+            convert(model, select_heads(HeadScores.load(SCORES), beta), MixerConfig()).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        sources[f"beta{beta}"] = str(folder)
+    ggufs = {}
+    for name, source in sources.items():
+        for out_type in TYPES:
+            path = work / f"{name}-{out_type}.gguf"
+            if not path.exists():
+                export_command(source, str(path), out_type)
+            ggufs[name, out_type] = path
+    return ggufs
+
+
+def gguf_layout(path: Path) -> dict:
+    """Per layer: kept and window KV groups, the window and sinks, head_dim, n_layer, from the GGUF."""
+    import gguf  # the reader reads any architecture's keys
+
+    fields = gguf.GGUFReader(path).fields
+
+    def value(key: str):
+        field = fields.get(key)
+        if field is None:
+            return None
+        values = [field.parts[i].tolist() for i in field.data]
+        values = [v[0] if len(v) == 1 else v for v in values]
+        return values if len(values) > 1 or key.endswith(("head_count", "head_count_kv")) else values[0]
+
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    layers = value(f"{arch}.block_count")
+    kept = value(f"{arch}.attention.head_count_kv")
+    kept = kept if isinstance(kept, list) and len(kept) == layers else [kept[0] if isinstance(kept, list) else kept] * layers
+    window = value(f"{arch}.mixer.head_count_kv") or [0] * layers
+    heads = value(f"{arch}.attention.head_count")
+    head_count = max(heads) if isinstance(heads, list) else heads
+    head_dim = value(f"{arch}.attention.key_length") or value(f"{arch}.embedding_length") // head_count
+    return {"layers": layers, "kept_groups": sum(kept), "window_groups": sum(window), "head_dim": head_dim,
+            "window": value(f"{arch}.attention.sliding_window") or 0,
+            "sinks": value(f"{arch}.attention.sliding_window_sinks") or 0}
+
+
+def step_bytes(path: Path, layout: dict, context: int, cache_bytes: int = 2) -> int:
+    """What one decode step reads after `context` tokens: the weights, then K and V (F16 by
+    default) of the kept groups over the context and of the window groups over their window."""
+    per_group_token = 2 * layout["head_dim"] * cache_bytes
+    window = min(context, layout["window"] + layout["sinks"])
+    return (path.stat().st_size + per_group_token * layout["kept_groups"] * context
+            + per_group_token * layout["window_groups"] * window)
+
+
+def memory_report(binary: Path, gguf: Path, threads: int) -> dict:
+    """MiB of the KV caches and of the recurrent state, as the engine logs them at MEMORY_CONTEXT."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-c", str(MEMORY_CONTEXT), "-n", "1", "-p", "Hello",
+                           "-t", str(threads), "-fa", "on", "-no-cnv", "--no-warmup", "-v", "-fit", "off"],
+                          capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    kv = [float(m) for m in re.findall(r"llama_kv_cache: size = +([0-9.]+) MiB", log)]
+    state = [float(m) for m in re.findall(r"llama_memory_recurrent: size = +([0-9.]+) MiB", log)]
+    if not kv:
+        raise RuntimeError(f"no KV cache size in the log of {gguf.name}: {log[-2000:]}")
+    return {"kv_mib": sum(kv), "kv_caches_mib": kv, "state_mib": sum(state), "total_mib": sum(kv) + sum(state)}
+
+
+def batched(binary: Path, gguf: Path, threads: int) -> dict:
+    """Total tokens/s of BATCH's sequences after one shared prompt (llama-batched-bench -pps)."""
+    n, prompt, generate = BATCH["sequences"], BATCH["prompt"], BATCH["generate"]
+    done = subprocess.run([str(binary), "-m", str(gguf), "-c", str(prompt + n * generate + 256), "-b", "2048",
+                           "-ub", "512", "-npp", str(prompt), "-ntg", str(generate), "-npl", str(n), "-pps", "-kvu",
+                           "-t", str(threads), "-fa", "on", "--output-format", "jsonl"],
+                          capture_output=True, text=True, timeout=3600, check=True)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if not rows:
+        raise RuntimeError(f"llama-batched-bench measured nothing on {gguf.name}: {done.stderr[-2000:]}")
+    return {k: rows[-1][k] for k in ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")}
+
+
+def measure(engine: Path, ggufs: dict, threads: int, repetitions: int, decode: int, contexts: tuple[int, ...],
+            quick: bool) -> list[dict]:
+    bench = engine / "build" / "bin" / "llama-bench"
+    kept = path_of_rows(next(iter(ggufs.values())).parent, quick)
+    rows = []
+    for (name, out_type), path in ggufs.items():
+        done = kept / f"{name}-{out_type}.json"
+        if done.exists():
+            rows.append(json.loads(done.read_text(), object_hook=int_keys))
+            continue
+        layout = gguf_layout(path)
+        print(f"{name} {out_type}: decode", file=sys.stderr, flush=True)
+        records = llama_bench(str(bench), str(path), threads, repetitions, "-p", "0", "-n", str(decode),
+                              "-d", ",".join(map(str, contexts)), "-fa", "1")
+        decode_rows = {r["n_depth"]: r for r in records}
+        print(f"{name} {out_type}: prefill", file=sys.stderr, flush=True)
+        prefill = llama_bench(str(bench), str(path), threads, repetitions, "-p", str(PREFILL if not quick else 1024),
+                              "-n", "0", "-fa", "1")[0]
+        row = {
+            "model": name, "type": out_type, "file_bytes": path.stat().st_size, "layout": layout,
+            "decode_tokens_per_s": {c: decode_rows[c]["avg_ts"] for c in contexts},
+            "decode_tokens_per_s_stddev": {c: decode_rows[c]["stddev_ts"] for c in contexts},
+            "step_bytes": {c: step_bytes(path, layout, c) for c in contexts},
+            "prefill_tokens": prefill["n_prompt"], "prefill_s": prefill["n_prompt"] / prefill["avg_ts"],
+            "memory": memory_report(engine / "build" / "bin" / "llama-completion", path, threads),
+            "build": {k: records[0].get(k) for k in ("build_commit", "build_number", "cpu_info")},
+        }
+        if out_type == "q8_0" and not quick:
+            print(f"{name} {out_type}: 16 sequences", file=sys.stderr, flush=True)
+            row["batched"] = batched(engine / "build" / "bin" / "llama-batched-bench", path, threads)
+        write_json_atomic(done, row)
+        rows.append(row)
+    return rows
+
+
+def path_of_rows(work: Path, quick: bool) -> Path:
+    folder = work / ("rows-quick" if quick else "rows")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def int_keys(obj: dict) -> dict:
+    """JSON turns the contexts (int keys) into strings; a kept row gets them back."""
+    return {int(k) if k.isdigit() else k: v for k, v in obj.items()}
+
+
+def perplexity_as_llama_cpp(model, ids: list[int], bos: int | None, context: int = PPL_CONTEXT,
+                            chunks: int = PPL_CHUNKS) -> float:
+    """A PyTorch model's perplexity under llama-perplexity's protocol: chunks of `context`
+    tokens, each starting with BOS when the vocabulary adds one, each scored on its second half."""
+    import torch
+
+    nll, count = 0.0, 0
+    for chunk in range(chunks):
+        tokens = torch.tensor(ids[chunk * context:(chunk + 1) * context])[None]
+        if bos is not None:
+            tokens[0, 0] = bos
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(tokens).logits[0].double(), -1)
+        first = context // 2
+        targets = tokens[0, first + 1:]
+        nll -= logprobs[first:-1].gather(-1, targets[:, None]).sum().item()
+        count += len(targets)
+    return math.exp(nll / count)
+
+
+def llama_perplexity(binary: Path, gguf: Path, text: Path, threads: int = 2, context: int = PPL_CONTEXT,
+                     chunks: int = PPL_CHUNKS) -> float:
+    """llama-perplexity's final estimate on `text` (flash attention off: the cache read as stored)."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(context), "-b", str(context),
+                           "--chunks", str(chunks), "-t", str(threads), "-fa", "off"],
+                          capture_output=True, text=True, check=True)
+    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr).group(1))
+
+
+def perplexities(engine: Path, ggufs: dict, work: Path, threads: int) -> list[dict]:
+    """Held-out perplexity of each model in PyTorch (F32) and in the engine (each type), same protocol."""
+    from recurformer.loading import load_any
+
+    text = work / "held-out.txt"
+    text.write_text(HELD_OUT.read_text()[:60000])
+    rows = []
+    for name in model_names():
+        model, tokenizer = load_any(str(work / name) if name != "original" else "smollm2-135m")
+        add_bos = bool(getattr(tokenizer, "add_bos_token", False))
+        ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
+        row = {"model": name, "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None)}
+        for out_type in TYPES:
+            row[f"engine_{out_type}"] = llama_perplexity(engine / "build" / "bin" / "llama-perplexity",
+                                                         ggufs[name, out_type], text, threads)
+        rows.append(row)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Each conversion over the original of its weight type: measured, and the limit from bytes."""
+    originals = {r["type"]: r for r in rows if r["model"] == "original"}
+    out = []
+    for r in rows:
+        if r["model"] == "original":
+            continue
+        o = originals[r["type"]]
+        entry = {"model": r["model"], "type": r["type"],
+                 "decode": {c: r["decode_tokens_per_s"][c] / o["decode_tokens_per_s"][c] for c in r["decode_tokens_per_s"]},
+                 "decode_limit": {c: o["step_bytes"][c] / r["step_bytes"][c] for c in r["step_bytes"]},
+                 "prefill": r["prefill_s"] / o["prefill_s"],
+                 "memory": r["memory"]["total_mib"] / o["memory"]["total_mib"]}
+        if "batched" in r and "batched" in o:
+            entry["batched"] = r["batched"]["speed_tg"] / o["batched"]["speed_tg"]
+        out.append(entry)
+    return out
+
+
+def markdown(data: dict) -> str:
+    rows, rel = data["rows"], data["ratios"]
+    contexts = list(rows[0]["decode_tokens_per_s"])
+    lines = ["| model | weights | " + " | ".join(f"decode @{int(c):,}" for c in contexts)
+             + " | prefill s | KV + state MiB @8K |", "|---|---|" + "---|" * (len(contexts) + 2)]
+    for r in rows:
+        decode = " | ".join(f"{r['decode_tokens_per_s'][c]:.1f}" for c in contexts)
+        lines.append(f"| {r['model']} | {r['type'].upper()} | {decode} | {r['prefill_s']:.1f} | "
+                     f"{r['memory']['total_mib']:.1f} |")
+    lines += ["", "| conversion | weights | " + " | ".join(f"decode @{int(c):,} (limit)" for c in contexts)
+              + " | prefill | memory | 16 sequences @4K |", "|---|---|" + "---|" * (len(contexts) + 3)]
+    for e in rel:
+        decode = " | ".join(f"{e['decode'][c]:.2f}x ({e['decode_limit'][c]:.2f}x)" for c in contexts)
+        batch = f"{e['batched']:.2f}x" if "batched" in e else ""
+        lines.append(f"| {e['model']} | {e['type'].upper()} | {decode} | {e['prefill']:.2f}x | {e['memory']:.2f}x | {batch} |")
+    if "perplexity" in data:
+        lines += ["", "| model | PyTorch F32 | engine F32 | engine Q8_0 |", "|---|---|---|---|"]
+        for p in data["perplexity"]:
+            lines.append(f"| {p['model']} | {p['pytorch_f32']:.3f} | {p['engine_f32']:.3f} ({p['engine_f32'] / p['pytorch_f32']:.4f}x) "
+                         f"| {p['engine_q8_0']:.3f} ({p['engine_q8_0'] / p['pytorch_f32']:.4f}x) |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", type=Path, default=ROOT / ".engine", help="the engine (make engine)")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "engine-bench", help="where the GGUFs are kept")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=32, help="tokens generated after each context")
+    parser.add_argument("--quick", action="store_true", help="short contexts, no batched row: a check of the script")
+    parser.add_argument("--out", type=Path, default=RESULTS / "engine.json")
+    parser.add_argument("--rows", type=Path, help="print the tables of this engine.json and stop (no timing)")
+    args = parser.parse_args()
+    if args.rows:
+        print(markdown(json.loads(args.rows.read_text())))
+        return
+    for tool in ("llama-bench", "llama-completion", "llama-batched-bench"):
+        if not (args.engine / "build" / "bin" / tool).exists():
+            parser.error(f"--engine {args.engine}: no build/bin/{tool}; run `make engine` first")
+    contexts = (256, 512) if args.quick else CONTEXTS
+    rows = measure(args.engine, make_ggufs(args.work), args.threads, 1 if args.quick else args.repetitions,
+                   args.decode, contexts, args.quick)
+    data = {"threads": args.threads, "repetitions": args.repetitions, "decode_tokens": args.decode,
+            "flash_attention": True, "batched": BATCH, "rows": rows}
+    data["ratios"] = ratios(rows)
+    if not args.quick:
+        data["perplexity"] = perplexities(args.engine, make_ggufs(args.work), args.work, args.threads)
+        write_json_atomic(args.out, data)
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Parity of the engine (llama.cpp with the recurformer architecture, docs/engine.md) with the
+PyTorch conversion, on tiny random Llama, Qwen2 and Mistral conversions of every exported kind.
+
+Each model has three layers: one whose groups are all replaced (no kept head), one with none
+replaced, one with some of each. The prompt (80 tokens) is longer than the window (16 + 2
+sinks) and is decoded by the engine in ubatches of 32, so the window's cache evicts, the sinks
+stay and the tail's state carries across ubatches. Checked: the logits of every prompt position
+against the full forward (F32 weights, F32 KV cache, within 1e-3 relative), then 64 greedy
+tokens identical to `model.generate`'s, and the logits of each of those steps.
+
+The engine is built by `make engine` (or `make test`); without it these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf_converter_shim import tiny_tokenizer_converter
+from tiny_models import ARCHITECTURES, COMMON, MIXERS, open_gates, tiny_tokenizer
+
+from recurformer.config import ReplacementSpec
+from recurformer.corpus_sources import shared_corpora
+from recurformer.data import EVAL_CORPORA
+from recurformer.export import engine_root, export_command
+from recurformer.surgery import convert
+
+from benchmarks.speed.engine import llama_perplexity, perplexity_as_llama_cpp
+
+LOGITS_TOOL = engine_root() / "build" / "bin" / "recurformer-logits"
+pytestmark = pytest.mark.skipif(not LOGITS_TOOL.exists(), reason="the engine is not built (make engine)")
+
+KINDS = ("window+mamba2", "window", "mamba2")
+PROMPT, NEW_TOKENS, UBATCH = 80, 64, 32
+
+
+def three_layer_model(arch: str, seed: int = 0):
+    """A tiny random model of `arch` with three layers, weights sharpened as tiny_model's are."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**COMMON, "num_hidden_layers": 3}, **extra)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+def mixed_spec(model) -> ReplacementSpec:
+    """Layer 0: every group replaced; layer 1: none; layer 2: the first group only."""
+    heads = model.config.num_key_value_heads
+    groups = [(0, h) for h in range(heads)] + [(2, 0)]
+    return ReplacementSpec(3, heads, groups)
+
+
+def engine_run(gguf, tokens: list[int], new_tokens: int, ubatch: int, tmp_path):
+    """The engine's prompt logits `[T, V]`, greedy tokens and their logits `[N, V]`."""
+    ids, out = tmp_path / "tokens.bin", tmp_path / "logits.bin"
+    np.asarray(tokens, dtype=np.int32).tofile(ids)
+    subprocess.run([str(LOGITS_TOOL), str(gguf), str(ids), str(new_tokens), str(out), str(ubatch)],
+                   check=True, capture_output=True, text=True)
+    raw = out.read_bytes()
+    n_prompt, n_predict, n_vocab = np.frombuffer(raw[:12], dtype=np.int32)
+    prompt_logits = np.frombuffer(raw[12:12 + 4 * n_prompt * n_vocab], dtype=np.float32).reshape(n_prompt, n_vocab)
+    steps = np.frombuffer(raw[12 + 4 * n_prompt * n_vocab:], dtype=np.uint8).reshape(n_predict, 4 * (1 + n_vocab))
+    greedy = steps[:, :4].copy().view(np.int32)[:, 0]
+    step_logits = steps[:, 4:].copy().view(np.float32)
+    return prompt_logits, greedy, step_logits
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(arch, kind) -> (the PyTorch conversion, its F32 GGUF), made once per pair."""
+    made = {}
+
+    def make(arch: str, kind: str):
+        if (arch, kind) not in made:
+            folder = tmp_path_factory.mktemp(f"{arch}-{kind.replace('+', '-')}")
+            model = three_layer_model(arch)
+            converted = open_gates(convert(model, mixed_spec(model), MIXERS[kind])).eval()
+            converted.save_pretrained(folder / "model")
+            tiny_tokenizer().save_pretrained(folder / "model")
+            with tiny_tokenizer_converter():
+                export_command(str(folder / "model"), str(folder / "model.gguf"), "f32")
+            made[arch, kind] = converted, folder / "model.gguf"
+        return made[arch, kind]
+
+    return make
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_engine_logits_and_greedy_tokens_match_pytorch(exported, arch, kind, tmp_path):
+    converted, gguf = exported(arch, kind)
+    tokens = torch.randint(0, COMMON["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+    prompt_logits, greedy, step_logits = engine_run(gguf, tokens[0].tolist(), NEW_TOKENS, UBATCH, tmp_path)
+
+    with torch.no_grad():
+        expected = converted(tokens).logits[0].numpy()
+    assert relative_error(prompt_logits, expected) < 1e-3
+
+    converted.generation_config.eos_token_id = None  # 64 tokens, whatever they are
+    with torch.no_grad():
+        generated = converted.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
+                                       max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                                       output_logits=True, return_dict_in_generate=True)
+    assert greedy.tolist() == generated.sequences[0, PROMPT:].tolist()
+    expected_steps = torch.cat(generated.logits).numpy()
+    assert relative_error(step_logits, expected_steps) < 1e-3
+
+
+# The real default conversion: SmolLM2-135M with the groups the example run replaced (beta 0.5,
+# docs/results/example-run/scores.json) by the default mixer, window+mamba2. Its gates are opened
+# to small seeded values, as training opens them (a conversion fresh from `convert` has them at
+# zero, which would hide the tail from the check).
+REAL_SCORES = Path(__file__).resolve().parents[1] / "docs" / "results" / "example-run" / "scores.json"
+
+
+def real_conversion(folder: Path):
+    from recurformer.loading import load_model
+    from recurformer.mixers import MixerConfig
+    from recurformer.scoring import HeadScores, select_heads
+
+    model, tokenizer, _ = load_model("smollm2-135m", progress=False)
+    converted = convert(model, select_heads(HeadScores.load(REAL_SCORES), 0.5), MixerConfig()).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in converted.named_parameters():
+            if name.endswith(".mixer.gate"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    converted.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return converted, tokenizer
+
+
+@pytest.mark.real_model
+def test_the_real_default_conversion_runs_in_the_engine_as_in_pytorch(tmp_path):
+    converted, tokenizer = real_conversion(tmp_path / "model")
+    held_out = Path(shared_corpora(EVAL_CORPORA)[0]).read_text()
+    for out_type in ("f32", "q8_0"):
+        export_command(str(tmp_path / "model"), str(tmp_path / f"model-{out_type}.gguf"), out_type)
+
+    prompt = tokenizer(held_out[:3000], return_tensors="pt").input_ids[:, :300]
+    _, greedy, _ = engine_run(tmp_path / "model-f32.gguf", prompt[0].tolist(), NEW_TOKENS, 512, tmp_path)
+    converted.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = converted.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                      max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    assert greedy.tolist() == expected[0, prompt.shape[1]:].tolist()
+
+    text = tmp_path / "held-out.txt"
+    text.write_text(held_out[:60000])
+    add_bos = bool(getattr(tokenizer, "add_bos_token", False))
+    ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
+    reference = perplexity_as_llama_cpp(converted, ids, tokenizer.bos_token_id if add_bos else None)
+    binary = engine_root() / "build" / "bin" / "llama-perplexity"
+    assert abs(llama_perplexity(binary, tmp_path / "model-f32.gguf", text) / reference - 1) < 0.005
+    assert abs(llama_perplexity(binary, tmp_path / "model-q8_0.gguf", text) / reference - 1) < 0.015
