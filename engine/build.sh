@@ -11,6 +11,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENGINE_DIR=$(realpath -m "${ENGINE_DIR:-$ROOT/.engine}")
 PIP=${PIP:-pip}
+[[ "$PIP" != */* ]] || PIP=$(realpath -m "$PIP")  # a path is taken from where the script is run
 JOBS=${JOBS:-$(nproc)}
 VERSION=0.3.36
 SDIST=llama_cpp_python-$VERSION.tar.gz

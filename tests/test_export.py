@@ -118,9 +118,8 @@ def expected_tensors(folder: Path) -> dict[str, tuple[np.ndarray, list[int]]]:
              "mlp.down_proj.weight": "ffn_down.weight", "self_attn.o_proj.weight": "attn_output.weight",
              **{f"self_attn.{p}_proj.{s}": f"attn_{p}.{s}" for p in "qkv" for s in ("weight", "bias")}}
     window = {f"{p}_proj.{s}": f"attn_{p}_win.{s}" for p in "qkv" for s in ("weight", "bias")}
-    tail = {"in_proj.weight": "ssm_in.weight", "in_proj.bias": "ssm_in.bias", "conv_weight": "ssm_conv1d.weight",
-            "conv_bias": "ssm_conv1d.bias", "dt_bias": "ssm_dt.bias", "norm_weight": "ssm_norm.weight",
-            "out_proj.weight": "ssm_out.weight", "out_proj.bias": "ssm_out.bias"}
+    tail = {"in_proj.weight": "ssm_in.weight", "conv_weight": "ssm_conv1d.weight", "conv_bias": "ssm_conv1d.bias",
+            "dt_bias": "ssm_dt.bias", "norm_weight": "ssm_norm.weight", "out_proj.weight": "ssm_out.weight"}
     for layer in range(text["num_hidden_layers"]):
         prefix, blk = f"model.layers.{layer}.", f"blk.{layer}."
         for source, name in plain.items():
@@ -144,8 +143,6 @@ def expected_tensors(folder: Path) -> dict[str, tuple[np.ndarray, list[int]]]:
             if kind == "window+mamba2":  # out = window + gate * out_proj(y): the gate folded in
                 gate = weights[mixer + "gate"]
                 put(blk + "ssm_out.weight", gate[:, None] * weights[tail_prefix + "out_proj.weight"])
-                if tail_prefix + "out_proj.bias" in weights:
-                    put(blk + "ssm_out.bias", gate * weights[tail_prefix + "out_proj.bias"])
     return out
 
 
