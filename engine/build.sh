@@ -47,7 +47,7 @@ done
 
 # compiler output goes to build.log; its tail is shown when the build fails
 failed() { tail -20 build.log >&2; echo "engine: the build failed (all of it in $ENGINE_DIR/build.log)" >&2; exit 1; }
-echo "engine: building $TARGETS in $ENGINE_DIR/build (a first build takes about 10 minutes on 2 cores)" >&2
+echo "engine: building $TARGETS in $ENGINE_DIR/build (a first build takes minutes)" >&2
 [ -f build/CMakeCache.txt ] || cmake -S llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > build.log 2>&1 || failed
 cmake --build build -j "$JOBS" --target $TARGETS >> build.log 2>&1 || failed
