@@ -92,6 +92,37 @@ def test_the_speed_table_is_the_benchmarks_ratios():
         assert cells[-1] == f"`{BENCH}`"
 
 
+ENGINE = "docs/results/engine.json"
+
+
+def engine_rows(engine: dict) -> dict[str, list[str]]:
+    """measure -> (beta 0.5, beta 0.75) as the README's llama.cpp table shows them."""
+    ratio = {(r["model"], r["type"]): r for r in engine["ratios"]}
+    ppl = {p["model"]: p for p in engine["perplexity"]}
+
+    def both(model: str, pick) -> str:
+        return " / ".join(pick(ratio[model, t]) for t in ("f32", "q8_0"))
+
+    rows = {
+        "decode at 8,150 tokens, F32 / Q8_0": lambda m: both(m, lambda r: f"{r['decode']['8150']:.2f}x"),
+        "decode at 512 tokens, F32 / Q8_0": lambda m: both(m, lambda r: f"{r['decode']['512']:.2f}x"),
+        "16 sequences after a shared 4K prompt, Q8_0": lambda m: f"{ratio[m, 'q8_0']['batched']:.2f}x",
+        "KV cache and state at an 8K context": lambda m: f"{ratio[m, 'f32']['memory']:.2f}x",
+        "prefill of 8,150 tokens, F32 / Q8_0": lambda m: both(m, lambda r: f"{r['prefill']:.2f}x"),
+        "held-out perplexity, engine over PyTorch, F32 / Q8_0": lambda m: " / ".join(
+            f"{ppl[m][f'engine_{t}'] / ppl[m]['pytorch_f32']:.4f}x" for t in ("f32", "q8_0")),
+    }
+    return {name: [cell(m) for m in ("beta0.5", "beta0.75")] for name, cell in rows.items()}
+
+
+def test_the_llama_cpp_table_is_the_engine_benchmarks_ratios():
+    shown = table_rows("| in llama.cpp, conversion over original |")
+    expected = engine_rows(load(ENGINE))
+    assert set(shown) == set(expected)
+    for name, cells in expected.items():
+        assert shown[name] == [*cells, f"`{ENGINE}`"], name
+
+
 @pytest.mark.parametrize("path", re.findall(r"`((?:docs|benchmarks|src|tests)/[^`* ]+)`", README))
 def test_every_file_the_readme_names_exists(path):
     assert (ROOT / path.rstrip("/")).exists(), path
