@@ -33,9 +33,10 @@ engine: install
 	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh
 
 # The fast suite: tiny random models, no network, no real model. It builds what the engine's tests
-# run first, where it can: the library, its parity tool and llama-server (tests/test_engine*.py).
+# run first, where it can: the library, its parity tool, llama-server and llama-batched-bench
+# (tests/test_engine*.py).
 test: install $(TRITON_STAMP)
-	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) ENGINE_TARGETS="llama llama-server" bash engine/build.sh || [ $$? -eq 3 ]
+	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) ENGINE_TARGETS="llama llama-server llama-batched-bench" bash engine/build.sh || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 # The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.

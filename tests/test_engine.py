@@ -164,3 +164,19 @@ def test_the_real_default_conversion_runs_in_the_engine_as_in_pytorch(tmp_path):
     binary = engine_root() / "build" / "bin" / "llama-perplexity"
     assert abs(llama_perplexity(binary, tmp_path / "model-f32.gguf", text) / reference - 1) < 0.005
     assert abs(llama_perplexity(binary, tmp_path / "model-q8_0.gguf", text) / reference - 1) < 0.015
+
+
+BATCHED_BENCH = engine_root() / "build" / "bin" / "llama-batched-bench"
+
+
+@pytest.mark.skipif(not BATCHED_BENCH.exists(), reason="the engine's llama-batched-bench is not built (make engine)")
+def test_parallel_sequences_share_a_prompt_longer_than_the_window_cache(exported):
+    """Four sequences continue one shared 400-token prompt in a unified cache whose window part
+    holds 256 cells (window 16 + 2 sinks per sequence, ubatches of 64): the copy shares only
+    the cells the window still sees, so the first parallel step finds free cells (it found
+    none when every cell the prompt left was shared by all four)."""
+    _, gguf = exported("llama", "window+mamba2")
+    done = subprocess.run([str(BATCHED_BENCH), "-m", str(gguf), "-c", "1024", "-b", "512", "-ub", "64", "-npp", "400",
+                           "-ntg", "8", "-npl", "4", "-pps", "-kvu", "-t", "2"], capture_output=True, text=True)
+    # a step that finds no cell ends the tool with "llama_decode() failed" and exit status 1
+    assert done.returncode == 0 and "failed" not in done.stderr, done.stderr[-2000:]
