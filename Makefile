@@ -29,14 +29,15 @@ $(TRITON_STAMP): $(STAMP)
 # The engine: llama.cpp with the recurformer architecture, built into ENGINE_DIR (docs/engine.md).
 # Exit 3 means no C++ compiler or CMake here: the engine's tests are then skipped, with a note.
 ENGINE_DIR ?= .engine
+BUILD_ENGINE = PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh
 engine: install
-	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh
+	$(BUILD_ENGINE)
 
 # The fast suite: tiny random models, no network, no real model. It builds what the engine's tests
 # run first, where it can: the library, its parity tool, llama-server and llama-batched-bench
 # (tests/test_engine*.py).
 test: install $(TRITON_STAMP)
-	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) ENGINE_TARGETS="llama llama-server llama-batched-bench" bash engine/build.sh || [ $$? -eq 3 ]
+	ENGINE_TARGETS="llama llama-server llama-batched-bench" $(BUILD_ENGINE) || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 # The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.
@@ -45,7 +46,7 @@ smoke: install
 
 # Everything, including tests that fetch and use the real SmolLM2-135M model (and the whole engine).
 test-all: install
-	PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh || [ $$? -eq 3 ]
+	$(BUILD_ENGINE) || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q
 
 # The main job on the default model and the default corpora: ../shared/data where it exists,

@@ -1,8 +1,8 @@
 """Parity of the engine (llama.cpp with the recurformer architecture, docs/engine.md) with the
 PyTorch conversion, on tiny random Llama, Qwen2 and Mistral conversions of every exported kind.
 
-Each model has three layers: one whose groups are all replaced (no kept head), one with none
-replaced, one with some of each. The prompt (80 tokens) is longer than the window (16 + 2
+Each model has three layers (`tiny_models.mixed_layout`): one whose groups are all replaced
+(no kept head), one with some of each, one with none replaced. The prompt (80 tokens) is longer than the window (16 + 2
 sinks) and is decoded by the engine in ubatches of 32, so the window's cache evicts, the sinks
 stay and the tail's state carries across ubatches. Checked: the logits of every prompt position
 against the full forward (F32 weights, F32 KV cache, within 1e-3 relative), then 64 greedy
@@ -20,40 +20,19 @@ import numpy as np
 import pytest
 import torch
 from gguf_converter_shim import tiny_tokenizer_converter
-from tiny_models import ARCHITECTURES, COMMON, MIXERS, open_gates, tiny_tokenizer
+from tiny_models import ARCHITECTURES, COMMON, MIXERS, mixed_layout, open_gates, tiny_model, tiny_tokenizer
 
-from recurformer.config import ReplacementSpec
 from recurformer.corpus_sources import shared_corpora
 from recurformer.data import EVAL_CORPORA
-from recurformer.export import engine_root, export_command
+from recurformer.export import EXPORT_KINDS, engine_root, export_command
 from recurformer.surgery import convert
 
-from benchmarks.speed.engine import llama_perplexity, perplexity_as_llama_cpp
+from benchmarks.speed.engine import default_conversion, llama_perplexity, perplexity_as_llama_cpp
 
 LOGITS_TOOL = engine_root() / "build" / "bin" / "recurformer-logits"
 pytestmark = pytest.mark.skipif(not LOGITS_TOOL.exists(), reason="the engine is not built (make engine)")
 
-KINDS = ("window+mamba2", "window", "mamba2")
 PROMPT, NEW_TOKENS, UBATCH = 80, 64, 32
-
-
-def three_layer_model(arch: str, seed: int = 0):
-    """A tiny random model of `arch` with three layers, weights sharpened as tiny_model's are."""
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**COMMON, "num_hidden_layers": 3}, **extra)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return model
-
-
-def mixed_spec(model) -> ReplacementSpec:
-    """Layer 0: every group replaced; layer 1: none; layer 2: the first group only."""
-    heads = model.config.num_key_value_heads
-    groups = [(0, h) for h in range(heads)] + [(2, 0)]
-    return ReplacementSpec(3, heads, groups)
 
 
 def engine_run(gguf, tokens: list[int], new_tokens: int, ubatch: int, tmp_path):
@@ -71,6 +50,16 @@ def engine_run(gguf, tokens: list[int], new_tokens: int, ubatch: int, tmp_path):
     return prompt_logits, greedy, step_logits
 
 
+def greedy_generation(model, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """`model.generate`'s greedy continuation of `ids` `[1, T]`, exactly `new_tokens` tokens (no
+    end token stops it), and the logits of each step `[N, V]`."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, ids.shape[1]:].tolist(), torch.cat(out.logits).numpy()
+
+
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
@@ -83,8 +72,8 @@ def exported(tmp_path_factory):
     def make(arch: str, kind: str):
         if (arch, kind) not in made:
             folder = tmp_path_factory.mktemp(f"{arch}-{kind.replace('+', '-')}")
-            model = three_layer_model(arch)
-            converted = open_gates(convert(model, mixed_spec(model), MIXERS[kind])).eval()
+            model = tiny_model(arch, num_hidden_layers=3)
+            converted = open_gates(convert(model, mixed_layout(model), MIXERS[kind])).eval()
             converted.save_pretrained(folder / "model")
             tiny_tokenizer().save_pretrained(folder / "model")
             with tiny_tokenizer_converter():
@@ -95,7 +84,7 @@ def exported(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", EXPORT_KINDS)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_engine_logits_and_greedy_tokens_match_pytorch(exported, arch, kind, tmp_path):
     converted, gguf = exported(arch, kind)
@@ -107,13 +96,8 @@ def test_engine_logits_and_greedy_tokens_match_pytorch(exported, arch, kind, tmp
         expected = converted(tokens).logits[0].numpy()
     assert relative_error(prompt_logits, expected) < 1e-3
 
-    converted.generation_config.eos_token_id = None  # 64 tokens, whatever they are
-    with torch.no_grad():
-        generated = converted.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS, pad_token_id=0,
-                                       output_logits=True, return_dict_in_generate=True)
-    assert greedy.tolist() == generated.sequences[0, PROMPT:].tolist()
-    expected_steps = torch.cat(generated.logits).numpy()
+    expected_tokens, expected_steps = greedy_generation(converted, tokens, NEW_TOKENS)
+    assert greedy.tolist() == expected_tokens
     assert relative_error(step_logits, expected_steps) < 1e-3
 
 
@@ -121,16 +105,13 @@ def test_engine_logits_and_greedy_tokens_match_pytorch(exported, arch, kind, tmp
 # docs/results/example-run/scores.json) by the default mixer, window+mamba2. Its gates are opened
 # to small seeded values, as training opens them (a conversion fresh from `convert` has them at
 # zero, which would hide the tail from the check).
-REAL_SCORES = Path(__file__).resolve().parents[1] / "docs" / "results" / "example-run" / "scores.json"
 
 
 def real_conversion(folder: Path):
     from recurformer.loading import load_model
-    from recurformer.mixers import MixerConfig
-    from recurformer.scoring import HeadScores, select_heads
 
     model, tokenizer, _ = load_model("smollm2-135m", progress=False)
-    converted = convert(model, select_heads(HeadScores.load(REAL_SCORES), 0.5), MixerConfig()).eval()
+    converted = default_conversion(model, 0.5).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in converted.named_parameters():
@@ -150,11 +131,7 @@ def test_the_real_default_conversion_runs_in_the_engine_as_in_pytorch(tmp_path):
 
     prompt = tokenizer(held_out[:3000], return_tensors="pt").input_ids[:, :300]
     _, greedy, _ = engine_run(tmp_path / "model-f32.gguf", prompt[0].tolist(), NEW_TOKENS, 512, tmp_path)
-    converted.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = converted.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                      max_new_tokens=NEW_TOKENS, pad_token_id=0)
-    assert greedy.tolist() == expected[0, prompt.shape[1]:].tolist()
+    assert greedy.tolist() == greedy_generation(converted, prompt, NEW_TOKENS)[0]
 
     text = tmp_path / "held-out.txt"
     text.write_text(held_out[:60000])

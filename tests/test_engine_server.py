@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine import exported  # noqa: F401  (the fixture: tiny conversions and their GGUFs)
-from test_engine import real_conversion
+from test_engine import greedy_generation, real_conversion
 
 from recurformer.export import engine_root, export_command
 
@@ -62,21 +62,13 @@ def serving(gguf: Path, context: int):
         server.wait(timeout=30)
 
 
-def greedy(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                             pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
-
-
 def test_the_server_completes_a_tiny_conversion_as_pytorch_does(exported):
     converted, gguf = exported("llama", "window+mamba2")
     prompt = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
     with serving(gguf, 256) as url:
         answer = post(url + "/completion", {"prompt": prompt[0].tolist(), "n_predict": 24, "temperature": 0,
                                             "return_tokens": True, "ignore_eos": True})
-    assert answer["tokens"] == greedy(converted, prompt, 24)
+    assert answer["tokens"] == greedy_generation(converted, prompt, 24)[0]
 
 
 @pytest.mark.real_model
@@ -87,7 +79,7 @@ def test_the_server_answers_a_chat_with_the_real_conversions_greedy_tokens(tmp_p
     with serving(tmp_path / "model.gguf", 1024) as url:
         answer = post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 32, "temperature": 0})
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    tokens = greedy(converted, prompt["input_ids"], 32)
+    tokens = greedy_generation(converted, prompt["input_ids"], 32)[0]
     end = tokens.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in tokens else len(tokens)
     expected = tokenizer.decode(tokens[:end], skip_special_tokens=True)
     assert answer["choices"][0]["message"]["content"].strip() == expected.strip()

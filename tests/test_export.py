@@ -19,11 +19,10 @@ import pytest
 import torch
 from gguf_converter_shim import tiny_tokenizer_converter
 from safetensors.torch import load_file
-from tiny_models import ARCHITECTURES, COMMON, MIXERS, open_gates, tiny_tokenizer
+from tiny_models import MIXERS, mixed_layout, open_gates, tiny_model, tiny_tokenizer
 
 from recurformer import export
 from recurformer.cli import main
-from recurformer.config import ReplacementSpec
 from recurformer.mixers import MixerConfig
 from recurformer.surgery import convert
 
@@ -68,23 +67,14 @@ def gguf():
 
 def base_model(arch: str, **overrides):
     """A tiny random model of `arch` with three layers."""
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
-    torch.manual_seed(0)
     # 128 tokens: room for the tiny tokenizer and the one special token Qwen2's tokenizer class adds to it
-    config = config_cls(**{**COMMON, **extra, "num_hidden_layers": LAYERS, "vocab_size": 128, **overrides})
-    return model_cls(config).eval()
-
-
-def layout(model) -> ReplacementSpec:
-    """Layer 0 loses every KV group (no kept group), layer 1 its first (mixed), layer 2 none (no replaced group)."""
-    heads = model.config.num_key_value_heads
-    return ReplacementSpec(LAYERS, heads, [(0, h) for h in range(heads)] + [(1, 0)])
+    return tiny_model(arch, num_hidden_layers=LAYERS, vocab_size=128, **overrides)
 
 
 def save_converted(path: Path, arch: str, kind: str, mixer_fields: dict | None = None, **overrides) -> Path:
     model = base_model(arch, **overrides)
     mixer = MixerConfig(kind=kind, window=16, sinks=2, **(mixer_fields or {})) if kind in KINDS else MIXERS[kind]
-    open_gates(convert(model, layout(model), mixer, init="random")).save_pretrained(path)
+    open_gates(convert(model, mixed_layout(model), mixer, init="random")).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
@@ -177,7 +167,7 @@ def test_a_converted_model_exports_every_key_and_tensor_of_the_layout(tmp_path, 
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     group = text["num_attention_heads"] // text["num_key_value_heads"]
     groups = text["num_key_value_heads"]
-    replaced = [groups, 1, 0]  # layout(): every group, one, none
+    replaced = [groups, 1, 0]  # mixed_layout(): every group, one, none
     assert kv["general.architecture"] == "recurformer"
     r = "recurformer."
     assert kv[r + "attention.head_count"] == [(groups - n) * group for n in replaced]

@@ -52,12 +52,14 @@ def open_gates(converted, seed: int = 0):
     return converted
 
 
-def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32):
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32,
+               **fields):
     """The model in fp32; another `dtype` loads it as a user does, `from_pretrained(dir,
-    dtype=dtype)`, which keeps buffers such as the rotary `inv_freq` in fp32."""
+    dtype=dtype)`, which keeps buffers such as the rotary `inv_freq` in fp32. `fields`: config
+    fields that differ from COMMON and the architecture's (`num_hidden_layers=3`, ...)."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra, **fields})
     config._attn_implementation = attn_implementation
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; sharper weights make mismatches visible.
@@ -70,6 +72,13 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtyp
             model.save_pretrained(tmp)
             model = model_cls.from_pretrained(tmp, dtype=dtype, attn_implementation=attn_implementation).eval()
     return model
+
+
+def mixed_layout(model) -> ReplacementSpec:
+    """For a three-layer `model`: layer 0 loses every KV group (no kept group), layer 1 its
+    first (mixed), layer 2 none (no replaced group)."""
+    heads = model.config.num_key_value_heads
+    return ReplacementSpec(3, heads, [(0, h) for h in range(heads)] + [(1, 0)])
 
 
 def spec_for(model, beta: float, seed: int = 0) -> ReplacementSpec:

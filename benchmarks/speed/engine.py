@@ -56,13 +56,20 @@ def model_names() -> list[str]:
     return ["original", *(f"beta{beta}" for beta in BETAS)]
 
 
+def default_conversion(model, beta: float):
+    """SmolLM2-135M's default conversion at `beta`: the groups the example run's scores pick,
+    replaced by the default mixer (window+mamba2), untrained."""
+    from recurformer.mixers import MixerConfig
+    from recurformer.scoring import HeadScores, select_heads
+    from recurformer.surgery import convert
+
+    return convert(model, select_heads(HeadScores.load(SCORES), beta), MixerConfig())
+
+
 def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
     """(name, type) -> GGUF, exported once into `work`."""
     from recurformer.export import export_command
     from recurformer.loading import load_model
-    from recurformer.mixers import MixerConfig
-    from recurformer.scoring import HeadScores, select_heads
-    from recurformer.surgery import convert
 
     work.mkdir(parents=True, exist_ok=True)
     sources = {"original": "smollm2-135m"}
@@ -72,7 +79,7 @@ def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
         if not (folder / "config.json").exists():
             if model is None:
                 model, tokenizer, _ = load_model("smollm2-135m", progress=False)
-            convert(model, select_heads(HeadScores.load(SCORES), beta), MixerConfig()).save_pretrained(folder)
+            default_conversion(model, beta).save_pretrained(folder)
             tokenizer.save_pretrained(folder)
         sources[f"beta{beta}"] = str(folder)
     ggufs = {}
@@ -86,30 +93,25 @@ def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
 
 
 def gguf_layout(path: Path) -> dict:
-    """Per layer: kept and window KV groups, the window and sinks, head_dim, n_layer, from the GGUF."""
+    """What a decode step's attention reads, from the GGUF's keys: the KV groups on the full
+    cache (`kept_groups`) and on the window (`window_groups`), summed over the layers, the
+    window and its sinks, head_dim. A stock architecture keeps every group."""
     import gguf  # the reader reads any architecture's keys
 
-    fields = gguf.GGUFReader(path).fields
+    keys = {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
+    arch = keys["general.architecture"]
 
-    def value(key: str):
-        field = fields.get(key)
-        if field is None:
-            return None
-        values = [field.parts[i].tolist() for i in field.data]
-        values = [v[0] if len(v) == 1 else v for v in values]
-        return values if len(values) > 1 or key.endswith(("head_count", "head_count_kv")) else values[0]
+    def summed(key: str) -> int:
+        value = keys.get(f"{arch}.{key}", 0)
+        return sum(value) if isinstance(value, list) else value * keys[f"{arch}.block_count"]
 
-    arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    layers = value(f"{arch}.block_count")
-    kept = value(f"{arch}.attention.head_count_kv")
-    kept = kept if isinstance(kept, list) and len(kept) == layers else [kept[0] if isinstance(kept, list) else kept] * layers
-    window = value(f"{arch}.mixer.head_count_kv") or [0] * layers
-    heads = value(f"{arch}.attention.head_count")
-    head_count = max(heads) if isinstance(heads, list) else heads
-    head_dim = value(f"{arch}.attention.key_length") or value(f"{arch}.embedding_length") // head_count
-    return {"layers": layers, "kept_groups": sum(kept), "window_groups": sum(window), "head_dim": head_dim,
-            "window": value(f"{arch}.attention.sliding_window") or 0,
-            "sinks": value(f"{arch}.attention.sliding_window_sinks") or 0}
+    heads = keys[f"{arch}.attention.head_count"]
+    head_dim = keys.get(f"{arch}.attention.key_length") or keys[f"{arch}.embedding_length"] // (
+        max(heads) if isinstance(heads, list) else heads)
+    return {"layers": keys[f"{arch}.block_count"], "kept_groups": summed("attention.head_count_kv"),
+            "window_groups": summed("mixer.head_count_kv"), "head_dim": head_dim,
+            "window": keys.get(f"{arch}.attention.sliding_window", 0),
+            "sinks": keys.get(f"{arch}.attention.sliding_window_sinks", 0)}
 
 
 def step_bytes(path: Path, layout: dict, context: int, cache_bytes: int = 2) -> int:
@@ -147,10 +149,11 @@ def batched(binary: Path, gguf: Path, threads: int) -> dict:
     return {k: rows[-1][k] for k in ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")}
 
 
-def measure(engine: Path, ggufs: dict, threads: int, repetitions: int, decode: int, contexts: tuple[int, ...],
-            quick: bool) -> list[dict]:
+def measure(engine: Path, ggufs: dict, work: Path, threads: int, repetitions: int, decode: int,
+            contexts: tuple[int, ...], quick: bool) -> list[dict]:
+    """One row per GGUF, each kept in `work` as it is measured (a kept row is not measured again)."""
     bench = engine / "build" / "bin" / "llama-bench"
-    kept = path_of_rows(next(iter(ggufs.values())).parent, quick)
+    kept = path_of_rows(work, quick)
     rows = []
     for (name, out_type), path in ggufs.items():
         done = kept / f"{name}-{out_type}.json"
@@ -301,13 +304,14 @@ def main() -> None:
         if not (args.engine / "build" / "bin" / tool).exists():
             parser.error(f"--engine {args.engine}: no build/bin/{tool}; run `make engine` first")
     contexts = (256, 512) if args.quick else CONTEXTS
-    rows = measure(args.engine, make_ggufs(args.work), args.threads, 1 if args.quick else args.repetitions,
+    ggufs = make_ggufs(args.work)
+    rows = measure(args.engine, ggufs, args.work, args.threads, 1 if args.quick else args.repetitions,
                    args.decode, contexts, args.quick)
     data = {"threads": args.threads, "repetitions": args.repetitions, "decode_tokens": args.decode,
             "flash_attention": True, "batched": BATCH, "rows": rows}
     data["ratios"] = ratios(rows)
     if not args.quick:
-        data["perplexity"] = perplexities(args.engine, make_ggufs(args.work), args.work, args.threads)
+        data["perplexity"] = perplexities(args.engine, ggufs, args.work, args.threads)
         write_json_atomic(args.out, data)
     print(markdown(data))
 

@@ -97,7 +97,7 @@ def active_sliding_window(text: dict) -> int | None:
     return window
 
 
-def check_base(text: dict, name: str) -> None:
+def check_exportable_base(text: dict, name: str) -> None:
     """Refuse a base model (`text`: its config as a dict) of an architecture `convert` does
     not take, or whose attention the GGUF would compute otherwise: an active sliding window
     (the engine's `llama`, `qwen2` and `recurformer` run full attention)."""
@@ -108,12 +108,13 @@ def check_base(text: dict, name: str) -> None:
                           "attention; only base models without an active sliding window export")
 
 
-def check_converted(config: dict, name: str) -> None:
-    """Refuse a converted model the `recurformer` GGUF cannot represent (docs/engine.md)."""
+def check_exportable_conversion(config: dict, name: str) -> None:
+    """Refuse a converted model the `recurformer` GGUF cannot represent (docs/engine.md);
+    `config`: its config.json as a dict."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{name}: its config.json has no text_config")
-    check_base(text, name)
+    check_exportable_base(text, name)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in (None, "default"):
@@ -183,9 +184,9 @@ def export_command(model: str, out: str, out_type: str = DEFAULT_TYPE) -> dict:
     check_model_folder(directory)
     config = read_json_object(directory / "config.json", "config")
     if converted:
-        check_converted(config, str(model))
+        check_exportable_conversion(config, str(model))
     else:
-        check_base(config, str(model))
+        check_exportable_base(config, str(model))
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{model}: no tokenizer files beside the model; the GGUF carries the tokenizer, so save it "
                           f"there first: tokenizer.save_pretrained('{directory}')")
