@@ -19,7 +19,9 @@ mkdir -p "$OUT"
         "transformers wheel on PYTHONPATH" >&2
     exit 2
 }
-timeout ${TESTS_TIMEOUT:-240} "$PY" -m pytest -q -m cuda -p no:cacheprovider --durations=8 ${GPU_TESTS:-tests/test_device*.py} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+# Six workers where pytest-xdist is installed: Triton compiles side by side (56 s on a fresh H200; in one process an H100 took about 190 s).
+workers=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6")
+timeout ${TESTS_TIMEOUT:-240} "$PY" -m pytest -q -m cuda -p no:cacheprovider --durations=8 $workers ${GPU_TESTS:-tests/test_device*.py} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 tests=${PIPESTATUS[0]}
 "$PY" -m benchmarks.speed.gpu --out "$OUT" --deadline-s ${BENCH_DEADLINE_S:-270} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log" | grep -v "^\[" | tail -20
 bench=${PIPESTATUS[0]}
