@@ -7,9 +7,12 @@ an environment without recurformer and finds the results folder itself.)
 
 from __future__ import annotations
 
+import math
 import os
+import random
 from pathlib import Path
 
+from recurformer.config import ReplacementSpec
 from recurformer.data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,3 +23,11 @@ TRAIN = [DATA / name for name in TRAIN_CORPORA]
 HELD_OUT = DATA / EVAL_CORPORA[0]
 OUT_OF_DOMAIN = DATA / OUT_OF_DOMAIN_CORPORA[0]
 TEXTS = {"heldout": HELD_OUT, "ood": OUT_OF_DOMAIN}  # the two evaluation texts, as the results name them
+
+
+def random_spec(config, beta: float, seed: int = 0) -> ReplacementSpec:
+    """`beta` of the KV groups, drawn at random with `seed`."""
+    groups = [(l, h) for l in range(config.num_hidden_layers) for h in range(config.num_key_value_heads)]
+    random.Random(seed).shuffle(groups)
+    return ReplacementSpec(config.num_hidden_layers, config.num_key_value_heads,
+                           groups[: math.floor(beta * len(groups) + 0.5)])

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_converter_shim import tiny_tokenizer_converter
+from benchmarks.gguf_converter_shim import unknown_tokenizer_converter
 from tiny_models import ARCHITECTURES, COMMON, MIXERS, mixed_layout, open_gates, tiny_model, tiny_tokenizer
 
 from recurformer.corpus_sources import shared_corpora
@@ -76,7 +76,7 @@ def exported(tmp_path_factory):
             converted = open_gates(convert(model, mixed_layout(model), MIXERS[kind])).eval()
             converted.save_pretrained(folder / "model")
             tiny_tokenizer().save_pretrained(folder / "model")
-            with tiny_tokenizer_converter():
+            with unknown_tokenizer_converter():
                 export_command(str(folder / "model"), str(folder / "model.gguf"), "f32")
             made[arch, kind] = converted, folder / "model.gguf"
         return made[arch, kind]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_converter_shim import tiny_tokenizer_converter
+from benchmarks.gguf_converter_shim import unknown_tokenizer_converter
 from safetensors.torch import load_file
 from tiny_models import MIXERS, mixed_layout, open_gates, tiny_model, tiny_tokenizer
 
@@ -36,13 +36,13 @@ pytestmark = pytest.mark.skipif(not ENGINE.converter.is_file(), reason=f"no engi
 
 @pytest.fixture(autouse=True)
 def tiny_tokenizers(request):
-    """The converter run through `gguf_converter_shim.py`, which lets it take the tiny test
+    """The converter run through `benchmarks/gguf_converter_shim.py`, which lets it take the tiny test
     tokenizers (a pre-tokenizer llama.cpp has no hash for is written as GPT-2's); the real
     model's is taken as it is."""
     if request.node.get_closest_marker("real_model"):
         yield
         return
-    with tiny_tokenizer_converter():
+    with unknown_tokenizer_converter():
         yield
 
 

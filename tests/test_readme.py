@@ -99,6 +99,7 @@ def engine_rows(engine: dict) -> dict[str, list[str]]:
     """measure -> (beta 0.5, beta 0.75) as the README's llama.cpp table shows them."""
     ratio = {(r["model"], r["type"]): r for r in engine["ratios"]}
     ppl = {p["model"]: p for p in engine["perplexity"]}
+    long = {r["model"]: r for r in engine["long"]["ratios"]}
 
     def both(model: str, pick) -> str:
         return " / ".join(pick(ratio[model, t]) for t in ("f32", "q8_0"))
@@ -106,6 +107,8 @@ def engine_rows(engine: dict) -> dict[str, list[str]]:
     rows = {
         "decode at 8,150 tokens, F32 / Q8_0": lambda m: both(m, lambda r: f"{r['decode']['8150']:.2f}x"),
         "decode at 512 tokens, F32 / Q8_0": lambda m: both(m, lambda r: f"{r['decode']['512']:.2f}x"),
+        "decode at 32K tokens, Qwen2.5-0.5B's shape (random weights), Q8_0":
+            lambda m: f"{long[m]['decode']['32736']:.2f}x",
         "16 sequences after a shared 4K prompt, Q8_0": lambda m: f"{ratio[m, 'q8_0']['batched']:.2f}x",
         "KV cache and state at an 8K context": lambda m: f"{ratio[m, 'f32']['memory']:.2f}x",
         "prefill of 8,150 tokens, F32 / Q8_0": lambda m: both(m, lambda r: f"{r['prefill']:.2f}x"),

@@ -15,6 +15,13 @@ Then, on `--threads` threads, one model at a time, flash attention on for every 
 - decode tokens/s of 16 sequences together, 128 tokens each after one shared 4,096-token prompt
   in a unified cache (`llama-batched-bench -pps -kvu`: its S_TG, all sequences' tokens), Q8_0.
 
+Past SmolLM2's 8K (`--long`, on by default): a random-weight model of Qwen2.5-0.5B's shape
+(32K positions, its 151,936-token vocabulary; SmolLM2's tokenizer, padded by the converter,
+`benchmarks/gguf_converter_shim.py`)
+and its window+mamba2 conversions at the same betas (groups drawn at random with a seed), at
+Q8_0: decode tokens/s after 16,384 and 32,736 tokens (one repetition: each is a prefill of
+that many tokens first) and the engine's KV + state at a 32,768-token context.
+
 Each model's row is kept in `--work` as it is measured, so an interrupted run goes on where it
 stopped (delete `--work`/rows to measure again).
 
@@ -22,7 +29,7 @@ Each conversion's ratio to the original of the same weight type comes with its l
 bytes: what a decode step reads (weights, the kept heads' cache over the whole context, the
 window heads' cache over their window) for the original over the same for the conversion.
 
-    python -m benchmarks.speed.engine [--engine .engine] [--work runs/engine-bench] [--quick]
+    python -m benchmarks.speed.engine [--engine .engine] [--work runs/engine-bench] [--quick] [--no-long]
 
 Writes docs/results/engine.json and prints the markdown of docs/results/engine.md.
 """
@@ -39,7 +46,7 @@ from pathlib import Path
 
 from recurformer.files import write_json_atomic
 
-from benchmarks.common import HELD_OUT, RESULTS, ROOT
+from benchmarks.common import HELD_OUT, RESULTS, ROOT, random_spec
 from benchmarks.speed.llama_cpp import llama_bench
 
 SCORES = RESULTS / "example-run" / "scores.json"
@@ -50,6 +57,7 @@ PREFILL = 8150
 MEMORY_CONTEXT = 8192
 BATCH = dict(sequences=16, prompt=4096, generate=128)
 PPL_CONTEXT, PPL_CHUNKS = 512, 8  # llama-perplexity's chunks of held-out text
+LONG = dict(shape="qwen2.5-0.5b", type="q8_0", contexts=(16384, 32736), memory_context=32768)
 
 
 def model_names() -> list[str]:
@@ -92,6 +100,81 @@ def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
     return ggufs
 
 
+def long_config():
+    """Qwen2.5-0.5B's published shape (transformers' Qwen2Config)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False)
+
+
+def make_long_ggufs(work: Path) -> dict[str, Path]:
+    """name -> LONG's GGUF of the random-weight original and its conversions, exported once into `work`."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from recurformer.export import export_command
+    from recurformer.hub import resolve_model
+
+    from benchmarks.gguf_converter_shim import unknown_tokenizer_converter
+    from recurformer.mixers import MixerConfig
+    from recurformer.surgery import convert
+
+    folder = work / LONG["shape"]
+    sources = {name: folder / name for name in model_names()}
+    if not all((source / "config.json").exists() for source in sources.values()):
+        torch.manual_seed(0)
+        original = Qwen2ForCausalLM(long_config()).eval()
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+        for name, source in sources.items():
+            model = original if name == "original" else convert(original, random_spec(original.config, float(
+                name.removeprefix("beta"))), MixerConfig())
+            model.save_pretrained(source)
+            tokenizer.save_pretrained(source)
+    ggufs = {}
+    for name, source in sources.items():
+        path = folder / f"{name}-{LONG['type']}.gguf"
+        if not path.exists():
+            with unknown_tokenizer_converter():
+                export_command(str(source), str(path), LONG["type"])
+        ggufs[name] = path
+    return ggufs
+
+
+def measure_long(engine: Path, ggufs: dict, work: Path, threads: int, decode: int) -> list[dict]:
+    """One row per LONG GGUF (kept in `work` as measured): decode after each of LONG's contexts
+    (one repetition), the step's bytes, the engine's KV + state at LONG's memory context."""
+    kept = path_of_rows(work, False)
+    rows = []
+    for name, path in ggufs.items():
+        done = kept / f"{LONG['shape']}-{name}.json"
+        if not done.exists():
+            layout = gguf_layout(path)
+            print(f"{LONG['shape']} {name}: decode after {LONG['contexts']}", file=sys.stderr, flush=True)
+            records = llama_bench(str(engine / "build" / "bin" / "llama-bench"), str(path), threads, 1, "-p", "0",
+                                  "-n", str(decode), "-d", ",".join(map(str, LONG["contexts"])), "-fa", "1")
+            write_json_atomic(done, {
+                "model": name, "type": LONG["type"], "file_bytes": path.stat().st_size, "layout": layout,
+                "decode_tokens_per_s": {r["n_depth"]: r["avg_ts"] for r in records},
+                "step_bytes": {c: step_bytes(path, layout, c) for c in LONG["contexts"]},
+                "memory": memory_report(engine / "build" / "bin" / "llama-completion", path, threads,
+                                        LONG["memory_context"]),
+            })
+        rows.append(json.loads(done.read_text(), object_hook=int_keys))
+    return rows
+
+
+def long_ratios(rows: list[dict]) -> list[dict]:
+    """Each conversion over the original: decode (and its limit from bytes) at each context, memory."""
+    o = next(r for r in rows if r["model"] == "original")
+    return [{"model": r["model"], "type": r["type"],
+             "decode": {c: r["decode_tokens_per_s"][c] / o["decode_tokens_per_s"][c] for c in r["decode_tokens_per_s"]},
+             "decode_limit": {c: o["step_bytes"][c] / r["step_bytes"][c] for c in r["step_bytes"]},
+             "memory": r["memory"]["total_mib"] / o["memory"]["total_mib"]}
+            for r in rows if r["model"] != "original"]
+
+
 def gguf_layout(path: Path) -> dict:
     """What a decode step's attention reads, from the GGUF's keys: the KV groups on the full
     cache (`kept_groups`) and on the window (`window_groups`), summed over the layers, the
@@ -123,9 +206,9 @@ def step_bytes(path: Path, layout: dict, context: int, cache_bytes: int = 2) -> 
             + per_group_token * layout["window_groups"] * window)
 
 
-def memory_report(binary: Path, gguf: Path, threads: int) -> dict:
-    """MiB of the KV caches and of the recurrent state, as the engine logs them at MEMORY_CONTEXT."""
-    done = subprocess.run([str(binary), "-m", str(gguf), "-c", str(MEMORY_CONTEXT), "-n", "1", "-p", "Hello",
+def memory_report(binary: Path, gguf: Path, threads: int, context: int = MEMORY_CONTEXT) -> dict:
+    """MiB of the KV caches and of the recurrent state, as the engine logs them at `context`."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-c", str(context), "-n", "1", "-p", "Hello",
                            "-t", str(threads), "-fa", "on", "-no-cnv", "--no-warmup", "-v", "-fit", "off"],
                           capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
@@ -283,6 +366,19 @@ def markdown(data: dict) -> str:
         for p in data["perplexity"]:
             lines.append(f"| {p['model']} | {p['pytorch_f32']:.3f} | {p['engine_f32']:.3f} ({p['engine_f32'] / p['pytorch_f32']:.4f}x) "
                          f"| {p['engine_q8_0']:.3f} ({p['engine_q8_0'] / p['pytorch_f32']:.4f}x) |")
+    if "long" in data:
+        long = data["long"]
+        contexts = list(long["rows"][0]["decode_tokens_per_s"])
+        lines += ["", f"{long['shape']} shape, random weights, {long['type'].upper()}:", "",
+                  "| model | " + " | ".join(f"decode @{int(c):,}" for c in contexts)
+                  + f" | KV + state MiB @{long['memory_context']:,} |", "|---|" + "---|" * (len(contexts) + 1)]
+        ratio = {e["model"]: e for e in long["ratios"]}
+        for r in long["rows"]:
+            e = ratio.get(r["model"])
+            decode = " | ".join(f"{r['decode_tokens_per_s'][c]:.1f}" + (
+                f" ({e['decode'][c]:.2f}x, limit {e['decode_limit'][c]:.2f}x)" if e else "") for c in contexts)
+            memory = f"{r['memory']['total_mib']:.1f}" + (f" ({e['memory']:.3f}x)" if e else "")
+            lines.append(f"| {r['model']} | {decode} | {memory} |")
     return "\n".join(lines)
 
 
@@ -296,6 +392,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short contexts, no batched row: a check of the script")
     parser.add_argument("--out", type=Path, default=RESULTS / "engine.json")
     parser.add_argument("--rows", type=Path, help="print the tables of this engine.json and stop (no timing)")
+    parser.add_argument("--no-long", action="store_true", help="leave out the Qwen2.5-0.5B-shaped rows at 16K and 32K")
     args = parser.parse_args()
     if args.rows:
         print(markdown(json.loads(args.rows.read_text())))
@@ -312,6 +409,9 @@ def main() -> None:
     data["ratios"] = ratios(rows)
     if not args.quick:
         data["perplexity"] = perplexities(args.engine, ggufs, args.work, args.threads)
+        if not args.no_long:
+            long_rows = measure_long(args.engine, make_long_ggufs(args.work), args.work, args.threads, args.decode)
+            data["long"] = {**LONG, "rows": long_rows, "ratios": long_ratios(long_rows)}
         write_json_atomic(args.out, data)
     print(markdown(data))
 

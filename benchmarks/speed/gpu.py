@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import math
 import platform
-import random
 import statistics
 import time
 from pathlib import Path
@@ -52,7 +50,6 @@ from transformers.masking_utils import sdpa_mask
 
 from recurformer.bench import cache_bytes, timed_decode
 from recurformer.cache import CACHE_ARGUMENT, HybridCache
-from recurformer.config import ReplacementSpec
 from recurformer.decode_graph import DecodeGraph, GraphedStep
 from recurformer.device import synchronize
 from recurformer.files import write_json_atomic, write_text_atomic
@@ -63,7 +60,7 @@ from recurformer.recipe import recipe_for
 from recurformer.surgery import convert
 from recurformer.train import objective_for
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, random_spec
 
 GIB = 1 << 30
 ORIGINAL_MODES, CONVERSION_MODES = ("eager", "graphs", "graphs-split"), ("eager", "graphs")
@@ -88,14 +85,6 @@ def build_original(name: str, device: str = "cuda", seed: int = 0):
     with torch.device(device):
         model = model_class._from_config(config, dtype=torch.bfloat16)
     return model.eval().requires_grad_(False)
-
-
-def random_spec(config, beta: float, seed: int = 0) -> ReplacementSpec:
-    """`beta` of the KV groups, drawn at random with `seed`."""
-    groups = [(l, h) for l in range(config.num_hidden_layers) for h in range(config.num_key_value_heads)]
-    random.Random(seed).shuffle(groups)
-    return ReplacementSpec(config.num_hidden_layers, config.num_key_value_heads,
-                           groups[: math.floor(beta * len(groups) + 0.5)])
 
 
 def free() -> None:

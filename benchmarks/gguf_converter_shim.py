@@ -1,11 +1,13 @@
-"""llama.cpp's converter for the tiny test tokenizers.
+"""llama.cpp's converter for tokenizers it has no hash for: the tests' tiny ones, and the
+engine benchmark's random-weight Qwen2.5-0.5B shape, which carries SmolLM2's vocabulary (and
+which transformers 5 loads through Qwen2's own pre-tokenizer, for its config's model type).
 
 llama.cpp identifies a BPE tokenizer's pre-tokenizer by the hash of a test string's token ids
-and refuses one it has no hash for, which every tokenizer trained on a few lines is. Run as
-a script (`python gguf_converter_shim.py convert_hf_to_gguf.py ARGS...`) this file runs the
-converter with such a tokenizer written as GPT-2's pre-tokenizer (byte-level, the one the
-tiny tokenizers use), everything else as it is; `tiny_tokenizer_converter()` makes
-`recurformer.export` run the converter that way. The real model's tokenizer needs neither.
+and refuses one it has no hash for. Run as a script (`python gguf_converter_shim.py
+convert_hf_to_gguf.py ARGS...`) this file runs the converter with such a tokenizer written
+as GPT-2's pre-tokenizer (byte-level), everything else as it is;
+`unknown_tokenizer_converter()` makes `recurformer.export` run the converter that way. The
+real models' tokenizers need neither.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 
 @contextmanager
-def tiny_tokenizer_converter() -> Iterator[None]:
+def unknown_tokenizer_converter() -> Iterator[None]:
     """Within the block, `recurformer.export` runs the engine's converter through this script."""
     from recurformer import export
 
