@@ -25,6 +25,7 @@ from recurformer.recipe import RECIPES, recipe_for
 from recurformer.retrieval_mix import mix_retrieval
 from recurformer.report import render_run_report
 from recurformer.run import RUN_SCHEMA, STAGES, Run, RunConfig, metric_table, run_pipeline, run_tasks
+from recurformer.run.stages import budget_steps, plan_line
 from recurformer.surgery import convert
 from recurformer.train import LMObjective, TrainConfig, TransferObjective, seconds_per_step
 
@@ -136,9 +137,44 @@ def test_fixed_steps_replace_the_time_budget(texts, tmp_path):
     run = Run(RunConfig(data=train, eval_data=held_out, steps=(3, 7)), tmp_path / "run")
     run.claim(force=False)
     plan = dict((name, stage) for name, stage, _ in STAGES)["plan"]
-    assert plan(run) == {"transfer_steps": 3, "lm_steps": 7}  # no timing probe, no model loaded
+    record = plan(run)  # no timing probe, no model loaded
+    assert (record["transfer_steps"], record["lm_steps"]) == (3, 7) and "expected_minutes" not in record
+    assert plan_line(record, 25) == "training 3 + 7 steps (--steps)"
     with pytest.raises(ConfigError, match=r"\(steps: \[3, 7\] there, \[3, 8\] here\)"):
         Run(RunConfig(data=train, eval_data=held_out, steps=(3, 8)), tmp_path / "run").claim(force=False)
+
+
+def test_a_budget_buys_steps_at_the_timed_step_seconds_and_says_when_they_fall_short():
+    """25 minutes at 24 s a step, 35% to transfer: 21 + 40 steps. Below the recipe's measured
+    55 + 32 steps the plan's line says so and how to train them; at or above them it does not."""
+    steps = budget_steps(25, 0.35, {"transfer": 24.0, "lm": 24.0})
+    assert steps == {"transfer_steps": 21, "lm_steps": 40}
+    record = {**steps, "transfer_step_s": 24.0, "lm_step_s": 24.0, "expected_minutes": 24.4, "measured_steps": [55, 32]}
+    line = plan_line(record, 25)
+    assert line.startswith("training 21 + 40 steps, what the 25-minute budget buys here (24.0 s and 24.0 s a step): "
+                           "about 24 minutes; fewer than the 55 + 32") and "--steps 55,32" in line
+    enough = {**record, **budget_steps(60, 0.35, {"transfer": 10.0, "lm": 10.0})}
+    assert "fewer" not in plan_line(enough, 60)
+
+
+def test_a_budget_below_one_step_of_a_stage_is_one_line():
+    with pytest.raises(ConfigError, match=r"^--budget-minutes 0.1 buys no whole step of the transfer stage on this "
+                                          r"machine \(one takes 24.0 s\): give at least 1.14, or --steps$"):
+        budget_steps(0.1, 0.35, {"transfer": 24.0, "lm": 24.0})
+
+
+def test_the_report_says_when_a_budget_bought_fewer_than_the_measured_steps():
+    metrics, rows = metric_table()
+    bench = {"measurements": []}
+    short = _metrics(False) | {"mixer": "window+mamba2", "recipe": "tail-mamba2", "transfer_steps": 17, "lm_steps": 10}
+    report = render_run_report(short, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": 25, "steps": None}, bench, [])
+    assert ("**The 25-minute budget bought 17 + 10 steps on this machine, fewer than the 55 + 32 the recipe's "
+            "documented numbers were measured with.**") in report and "`--steps 55,32` trains those." in report
+    given = render_run_report(short, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": 25, "steps": [17, 10]},
+                              bench, [])
+    enough = short | {"transfer_steps": 55, "lm_steps": 32}
+    bought = render_run_report(enough, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": 40, "steps": None}, bench, [])
+    assert "fewer than the" not in given and "fewer than the" not in bought
 
 
 def test_learning_rates_reach_the_training_stages(texts, tmp_path):

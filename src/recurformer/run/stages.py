@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
@@ -37,13 +38,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from ..ablation import AblationConfig, check_ablation, check_calibration_text
 from ..attention import check_window_fits
 from ..bench import against_original, check_contexts
 from ..checks import require_finite
-from ..config import check_replaces_some
+from ..config import ConfigError, check_replaces_some
 from ..device import resolve_device
 from ..data import Corpus, DataError, check_length, check_sequences, count_tokens, load_documents, token_sequences
 from ..equal_cache import equal_cache_window, window_baseline
@@ -309,22 +311,58 @@ def convert_stage(run: Run) -> dict:
 
 
 def plan(run: Run) -> dict:
+    """The step counts of the two training stages: `--steps` as given (nothing timed), else
+    what the time budget buys here, from one timed step of each stage. Says in one line how
+    many steps, how long they should take, and, where a budget buys fewer than the steps the
+    recipe's documented numbers were measured with, that it does (`plan_line`)."""
     if run.config.steps is not None:
-        return {"transfer_steps": run.config.steps[0], "lm_steps": run.config.steps[1]}
-    if run.sizes.fixed_steps is not None:
+        record = {"transfer_steps": run.config.steps[0], "lm_steps": run.config.steps[1]}
+    elif run.sizes.fixed_steps is not None:
         return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
-    student, teacher = run.model("converted"), run.original
-    timed = {}
-    for stage in ("transfer", "lm"):
-        probe = run.train_config(stage, 1)
-        timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
-                                        run.stage_data(stage)[0], probe)
-    budget, share = run.config.budget_minutes * 60, run.recipe.transfer_share
-    return {
-        "transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3),
-        "transfer_steps": max(1, int(share * budget / timed["transfer"])),
-        "lm_steps": max(1, int((1 - share) * budget / timed["lm"])),
-    }
+    else:
+        student, teacher = run.model("converted"), run.original
+        timed = {}
+        for stage in ("transfer", "lm"):
+            probe = run.train_config(stage, 1)
+            timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
+                                            run.stage_data(stage)[0], probe)
+        record = {"transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3),
+                  **budget_steps(run.config.budget_minutes, run.recipe.transfer_share, timed)}
+        record["expected_minutes"] = round(sum(record[f"{s}_steps"] * timed[s] for s in timed) / 60, 1)
+    if run.recipe.measured_steps is not None:
+        record["measured_steps"] = list(run.recipe.measured_steps)
+    tqdm.write(f"recurformer: {plan_line(record, run.config.budget_minutes)}", file=sys.stderr)
+    return record
+
+
+def budget_steps(minutes: float, transfer_share: float, step_seconds: dict[str, float]) -> dict[str, int]:
+    """{stage}_steps that `minutes` of training buy (the transfer stage its share), at
+    `step_seconds[stage]` each; a one-line error where a stage would get no whole step."""
+    shares = {"transfer": transfer_share, "lm": 1 - transfer_share}
+    steps = {stage: int(shares[stage] * minutes * 60 / step_seconds[stage]) for stage in shares}
+    short = [stage for stage, n in steps.items() if n < 1]
+    if short:
+        need = max(step_seconds[s] / shares[s] for s in shares) / 60
+        raise ConfigError(f"--budget-minutes {minutes:g} buys no whole step of the {short[0]} stage on this machine "
+                          f"(one takes {step_seconds[short[0]]:.1f} s): give at least {need:.2f}, or --steps")
+    return {f"{stage}_steps": n for stage, n in steps.items()}
+
+
+def plan_line(record: dict, budget_minutes: float) -> str:
+    """`plan`'s one line: the steps, where they come from, the time they should take here,
+    and whether they fall short of the recipe's measured steps."""
+    steps = (record["transfer_steps"], record["lm_steps"])
+    if "expected_minutes" not in record:
+        return f"training {steps[0]} + {steps[1]} steps (--steps)"
+    line = (f"training {steps[0]} + {steps[1]} steps, what the {budget_minutes:g}-minute budget buys here "
+            f"({record['transfer_step_s']:.1f} s and {record['lm_step_s']:.1f} s a step): about "
+            f"{record['expected_minutes']:.0f} minutes")
+    measured = record.get("measured_steps")
+    if measured and (steps[0] < measured[0] or steps[1] < measured[1]):
+        line += (f"; fewer than the {measured[0]} + {measured[1]} the documented numbers were measured with, so "
+                 f"retrieval falls short of them (docs/where-it-wins.md); --steps {measured[0]},{measured[1]} "
+                 "trains those")
+    return line
 
 
 def training_stage(stage: str, source: str, target: str) -> Stage:
