@@ -186,7 +186,7 @@ def counted_from(tokens: Tensor, start: int) -> Tensor:
     return (torch.arange(tokens.shape[1], device=tokens.device) >= start).expand(tokens.shape[0], -1)
 
 
-def _token_nll(model, hidden: Tensor, tokens: Tensor, counted: Tensor, chunk: int = 256) -> Tensor:
+def token_nll(model, hidden: Tensor, tokens: Tensor, counted: Tensor, chunk: int = 256) -> Tensor:
     """Mean NLL per row `[B]` of the tokens `counted` `[B, T]` (bool, never position 0) marks,
     each predicted from the hidden state `[B, T, d]` (last layer's output) of the one before it."""
     positions = counted.any(0).nonzero().squeeze(1)  # [P] positions some row counts
@@ -199,7 +199,7 @@ def _token_nll(model, hidden: Tensor, tokens: Tensor, counted: Tensor, chunk: in
     return total / counted.sum(1)
 
 
-def _run_layers(model, hidden: Tensor, first: int, last: int, position_embeddings, positions: Tensor) -> Tensor:
+def run_layers(model, hidden: Tensor, first: int, last: int, position_embeddings, positions: Tensor) -> Tensor:
     """Decoder layers `first..last-1` on hidden `[B, T, d]`."""
     for layer in model.model.layers[first:last]:
         out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
@@ -243,17 +243,17 @@ def _score_round(model, tokens: Tensor, counted: Tensor, windowing: Windowing, f
     inputs = []  # inputs[l]: layer l's input [N, T, d]
     for layer in range(layers):
         inputs.append(hidden)
-        hidden = _run_layers(model, hidden, layer, layer + 1, position_embeddings, positions)
-    base = _token_nll(model, hidden, tokens, counted).mean().item()
+        hidden = run_layers(model, hidden, layer, layer + 1, position_embeddings, positions)
+    base = token_nll(model, hidden, tokens, counted).mean().item()
     for layer in tqdm(range(layers), desc=desc, unit="layer", disable=not progress):
         left = [g for l, g in todo if l == layer and (l, g) not in costs]
         for first in range(0, len(left), per_batch):
             chosen = left[first:first + per_batch]
             rows = torch.tensor(chosen).repeat_interleave(count)  # row r windows chosen[r // N]
             windowing.point(fixed, layer, rows)
-            out = _run_layers(model, inputs[layer].repeat(len(chosen), 1, 1), layer, layers,
+            out = run_layers(model, inputs[layer].repeat(len(chosen), 1, 1), layer, layers,
                               tuple(p.expand(len(rows), *p.shape[1:]) for p in position_embeddings), positions)
-            nll = _token_nll(model, out, tokens.repeat(len(chosen), 1), counted.repeat(len(chosen), 1)).view(len(chosen), count)
+            nll = token_nll(model, out, tokens.repeat(len(chosen), 1), counted.repeat(len(chosen), 1)).view(len(chosen), count)
             for g, value in zip(chosen, nll.mean(1).tolist()):
                 costs[(layer, g)] = value - base
         if left:
