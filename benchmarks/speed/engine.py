@@ -15,10 +15,9 @@ Then, on `--threads` threads, one model at a time, flash attention on for every 
 - decode tokens/s of 16 sequences together, 128 tokens each after one shared 4,096-token prompt
   in a unified cache (`llama-batched-bench -pps -kvu`: its S_TG, all sequences' tokens), Q8_0.
 
-Past SmolLM2's 8K (`--long`, on by default): a random-weight model of Qwen2.5-0.5B's shape
-(32K positions, its 151,936-token vocabulary; SmolLM2's tokenizer, padded by the converter,
-`benchmarks/gguf_converter_shim.py`)
-and its window+mamba2 conversions at the same betas (groups drawn at random with a seed), at
+Past SmolLM2's 8K (unless `--no-long`): a random-weight model of Qwen2.5-0.5B's shape (32K
+positions, its 151,936-token vocabulary; SmolLM2's tokenizer, padded by the converter,
+`benchmarks/gguf_converter_shim.py`) and its window+mamba2 conversions at the same betas (groups drawn at random with a seed), at
 Q8_0: decode tokens/s after 16,384 and 32,736 tokens (one repetition: each is a prefill of
 that many tokens first) and the engine's KV + state at a 32,768-token context.
 
@@ -116,10 +115,10 @@ def make_long_ggufs(work: Path) -> dict[str, Path]:
 
     from recurformer.export import export_command
     from recurformer.hub import resolve_model
-
-    from benchmarks.gguf_converter_shim import unknown_tokenizer_converter
     from recurformer.mixers import MixerConfig
     from recurformer.surgery import convert
+
+    from benchmarks.gguf_converter_shim import unknown_tokenizer_converter
 
     folder = work / LONG["shape"]
     sources = {name: folder / name for name in model_names()}
@@ -163,16 +162,6 @@ def measure_long(engine: Path, ggufs: dict, work: Path, threads: int, decode: in
             })
         rows.append(json.loads(done.read_text(), object_hook=int_keys))
     return rows
-
-
-def long_ratios(rows: list[dict]) -> list[dict]:
-    """Each conversion over the original: decode (and its limit from bytes) at each context, memory."""
-    o = next(r for r in rows if r["model"] == "original")
-    return [{"model": r["model"], "type": r["type"],
-             "decode": {c: r["decode_tokens_per_s"][c] / o["decode_tokens_per_s"][c] for c in r["decode_tokens_per_s"]},
-             "decode_limit": {c: o["step_bytes"][c] / r["step_bytes"][c] for c in r["step_bytes"]},
-             "memory": r["memory"]["total_mib"] / o["memory"]["total_mib"]}
-            for r in rows if r["model"] != "original"]
 
 
 def gguf_layout(path: Path) -> dict:
@@ -328,7 +317,8 @@ def perplexities(engine: Path, ggufs: dict, work: Path, threads: int) -> list[di
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Each conversion over the original of its weight type: measured, and the limit from bytes."""
+    """Each conversion over the original of its weight type: measured, and the limit from bytes
+    (prefill and the 16 sequences where the rows have them: the long rows do not)."""
     originals = {r["type"]: r for r in rows if r["model"] == "original"}
     out = []
     for r in rows:
@@ -338,8 +328,9 @@ def ratios(rows: list[dict]) -> list[dict]:
         entry = {"model": r["model"], "type": r["type"],
                  "decode": {c: r["decode_tokens_per_s"][c] / o["decode_tokens_per_s"][c] for c in r["decode_tokens_per_s"]},
                  "decode_limit": {c: o["step_bytes"][c] / r["step_bytes"][c] for c in r["step_bytes"]},
-                 "prefill": r["prefill_s"] / o["prefill_s"],
                  "memory": r["memory"]["total_mib"] / o["memory"]["total_mib"]}
+        if "prefill_s" in r:
+            entry["prefill"] = r["prefill_s"] / o["prefill_s"]
         if "batched" in r and "batched" in o:
             entry["batched"] = r["batched"]["speed_tg"] / o["batched"]["speed_tg"]
         out.append(entry)
@@ -411,7 +402,7 @@ def main() -> None:
         data["perplexity"] = perplexities(args.engine, ggufs, args.work, args.threads)
         if not args.no_long:
             long_rows = measure_long(args.engine, make_long_ggufs(args.work), args.work, args.threads, args.decode)
-            data["long"] = {**LONG, "rows": long_rows, "ratios": long_ratios(long_rows)}
+            data["long"] = {**LONG, "rows": long_rows, "ratios": ratios(long_rows)}
         write_json_atomic(args.out, data)
     print(markdown(data))
 
