@@ -47,6 +47,7 @@ def texts(tmp_path):
         (dict(mixer="lstm"), ConfigError, "mixer kind: unknown 'lstm'"),
         (dict(scorer="loudest"), ConfigError, "loudest"),
         (dict(budget_minutes=0), ConfigError, "--budget-minutes must be > 0"),
+        (dict(budget_minutes=30, steps=(5, 5)), ConfigError, "--steps and --budget-minutes both fix the training steps"),
         (dict(steps=(0, 5)), ConfigError, "--steps must be two positive integers"),
         (dict(lr=(5e-3, 0.0)), ConfigError, "--lr must be two learning rates"),
         (dict(data=["nowhere.txt"]), DataError, "data file not found: nowhere.txt"),
@@ -139,22 +140,43 @@ def test_fixed_steps_replace_the_time_budget(texts, tmp_path):
     plan = dict((name, stage) for name, stage, _ in STAGES)["plan"]
     record = plan(run)  # no timing probe, no model loaded
     assert (record["transfer_steps"], record["lm_steps"]) == (3, 7) and "expected_minutes" not in record
-    assert plan_line(record, 25) == "training 3 + 7 steps (--steps)"
+    assert plan_line(record) == "training 3 + 7 steps (--steps)"
     with pytest.raises(ConfigError, match=r"\(steps: \[3, 7\] there, \[3, 8\] here\)"):
         Run(RunConfig(data=train, eval_data=held_out, steps=(3, 8)), tmp_path / "run").claim(force=False)
 
 
+def test_a_run_trains_the_recipes_measured_steps_unless_told_otherwise(texts):
+    """The default recipe's documented 55 + 32 steps by default; `--steps` fixes others; a
+    budget, given or (for a recipe without measured steps) the default 25 minutes, leaves
+    them to `plan`."""
+    train, held_out = texts
+    default = RunConfig(data=train, eval_data=held_out)
+    assert (default.training_steps, default.training_budget) == ((55, 32), None)
+    assert RunConfig(data=train, eval_data=held_out, steps=(3, 7)).training_steps == (3, 7)
+    budget = RunConfig(data=train, eval_data=held_out, budget_minutes=40)
+    assert (budget.training_steps, budget.training_budget) == (None, 40)
+    plain = RunConfig(data=train, eval_data=held_out, mixer="mamba2")
+    assert recipe_for("mamba2").measured_steps is None
+    assert (plain.training_steps, plain.training_budget) == (None, 25.0)
+
+
 def test_a_budget_buys_steps_at_the_timed_step_seconds_and_says_when_they_fall_short():
     """25 minutes at 24 s a step, 35% to transfer: 21 + 40 steps. Below the recipe's measured
-    55 + 32 steps the plan's line says so and how to train them; at or above them it does not."""
+    55 + 32 steps the plan's line says so and how to train them; at or above them it does not.
+    The recipe's own steps are said to be those, with the time they should take."""
     steps = budget_steps(25, 0.35, {"transfer": 24.0, "lm": 24.0})
     assert steps == {"transfer_steps": 21, "lm_steps": 40}
-    record = {**steps, "transfer_step_s": 24.0, "lm_step_s": 24.0, "expected_minutes": 24.4, "measured_steps": [55, 32]}
-    line = plan_line(record, 25)
+    record = {**steps, "transfer_step_s": 24.0, "lm_step_s": 24.0, "expected_minutes": 24.4, "measured_steps": [55, 32],
+              "budget_minutes": 25}
+    line = plan_line(record)
     assert line.startswith("training 21 + 40 steps, what the 25-minute budget buys here (24.0 s and 24.0 s a step): "
-                           "about 24 minutes; fewer than the 55 + 32") and "--steps 55,32" in line
-    enough = {**record, **budget_steps(60, 0.35, {"transfer": 10.0, "lm": 10.0})}
-    assert "fewer" not in plan_line(enough, 60)
+                           "about 24 minutes; fewer than the 55 + 32") and "--steps 55,32 (the default)" in line
+    enough = {**record, **budget_steps(60, 0.35, {"transfer": 10.0, "lm": 10.0}), "budget_minutes": 60}
+    assert "fewer" not in plan_line(enough)
+    measured = {"transfer_steps": 55, "lm_steps": 32, "transfer_step_s": 12.9, "lm_step_s": 42.9,
+                "expected_minutes": 34.7, "measured_steps": [55, 32]}
+    assert plan_line(measured) == ("training 55 + 32 steps, the recipe's measured steps, here (12.9 s and 42.9 s a "
+                                   "step): about 35 minutes; --budget-minutes bounds the time instead")
 
 
 def test_a_budget_below_one_step_of_a_stage_is_one_line():
@@ -169,8 +191,8 @@ def test_the_report_says_when_a_budget_bought_fewer_than_the_measured_steps():
     short = _metrics(False) | {"mixer": "window+mamba2", "recipe": "tail-mamba2", "transfer_steps": 17, "lm_steps": 10}
     report = render_run_report(short, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": 25, "steps": None}, bench, [])
     assert ("**The 25-minute budget bought 17 + 10 steps on this machine, fewer than the 55 + 32 the recipe's "
-            "documented numbers were measured with.**") in report and "`--steps 55,32` trains those." in report
-    given = render_run_report(short, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": 25, "steps": [17, 10]},
+            "documented numbers were measured with.**") in report and "Without `--budget-minutes` a run trains those." in report
+    given = render_run_report(short, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": None, "steps": [17, 10]},
                               bench, [])
     enough = short | {"transfer_steps": 55, "lm_steps": 32}
     bought = render_run_report(enough, by_key(metrics), rows, {"beta": 0.5, "budget_minutes": 40, "steps": None}, bench, [])

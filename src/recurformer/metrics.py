@@ -171,7 +171,7 @@ RUN_METRICS: tuple[Metric, ...] = (
            "{:,}", unit="tokens"),
     Metric("ssd_state", "Mamba-2 state size per head", _mixer_field("ssd_state")),
     _config("scorer", "head scorer"),
-    _config("budget_minutes", "training budget (minutes)"),
+    _config("budget_minutes", "training time budget (minutes; none: fixed steps)"),
     Metric("recipe", "training recipe (recipe.py)", lambda r: recipe_for(r.config["mixer"], r.config.get("recipe_name")).name),
     Metric("retrieval_share", "share of training sequences with facts and questions",
            lambda r: r.config.get("retrieval_share", 0.0), "{:.0%}"),

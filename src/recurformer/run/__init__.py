@@ -27,14 +27,24 @@ from .layout import RUN_SCHEMA, RunLayout
 from .stages import STAGES, Run, Stage, analyze_heads, check_stages, convert_heads, metric_table, run_tasks
 
 
+# seconds a training step took in the example run (docs/results/example-run): the progress
+# bar's guess for fixed steps, before `plan` has timed them
+STEP_SECONDS = {"transfer": 13.0, "lm": 43.0}
+
+
 def stage_weights(config: RunConfig) -> dict[str, float]:
-    """Expected seconds of each stage (the training stages share the budget as the recipe
-    says); a quick run weighs its sizes' work, not the budget."""
-    minutes = 0.0 if config.quick else config.budget_minutes
-    share = config.recipe.transfer_share
+    """Expected seconds of each stage: the training stages' from the budget they share as the
+    recipe says, or from their fixed steps; a quick run weighs its sizes' work instead."""
     weights = {name: seconds / (5.0 if config.quick and seconds > 15 else 1.0) for name, _, seconds in STAGES}
-    weights["transfer"] = max(10.0, share * minutes * 60)
-    weights["lm"] = max(10.0, (1 - share) * minutes * 60)
+    share = {"transfer": config.recipe.transfer_share, "lm": 1 - config.recipe.transfer_share}
+    for stage in share:
+        if config.quick:
+            seconds = 0.0
+        elif config.training_budget is not None:
+            seconds = share[stage] * config.training_budget * 60
+        else:
+            seconds = config.training_steps[stage == "lm"] * STEP_SECONDS[stage]
+        weights[stage] = max(10.0, seconds)
     return weights
 
 

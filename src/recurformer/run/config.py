@@ -20,6 +20,7 @@ from ..recipe import Recipe, recipe_for
 from ..scoring import SCORERS, AnalysisConfig, SelectionConfig
 
 MAX_BUDGET_MINUTES = 525_600  # a year: a larger budget is a typo (and inf would overflow the step counts)
+DEFAULT_BUDGET_MINUTES = 25.0  # the training time of a recipe that has no measured steps
 MAX_ANSWER_WEIGHT = 1000  # the answers are ~1% of a retrieval sequence: more would leave the text unweighted
 
 
@@ -65,9 +66,12 @@ class RunConfig:
     ssd_state: int | str | None = option(None, "mamba2 kinds: state size per head (default: auto, head_dim / 4 for "
                                          "window+mamba2, head_dim for mamba2)", parse=parse_ssd_state, metavar="N")
     scorer: str = option(SelectionConfig.scorer, "which groups go first: " + " | ".join(SCORERS))
-    budget_minutes: float = option(25.0, "training time of both stages together")
-    steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps instead of the budget "
-                                           "(equal-token comparisons)", metavar="TRANSFER,LM",
+    budget_minutes: float | None = option(None, "bound the training time instead: train the steps these minutes of "
+                                          "both stages buy on this machine (default: the recipe's measured steps, "
+                                          f"55 + 32 for window+mamba2; {DEFAULT_BUDGET_MINUTES:g} minutes for a recipe "
+                                          "without them)")
+    steps: tuple[int, int] | None = option(None, "train exactly these optimizer steps (default: the recipe's "
+                                           "measured steps; equal-token comparisons)", metavar="TRANSFER,LM",
                                            parse=_pair(int, "step counts", "40,16"))
     lr: tuple[float, float] | None = option(None, "learning rates of the two stages (default: the mixer's "
                                             "recipe, docs/training.md)", metavar="TRANSFER,LM",
@@ -98,9 +102,11 @@ class RunConfig:
         require(self.beta > 0, "--beta 0 replaces no KV group: run needs a beta in (0, 1]")
         self.mixer_config()
         recipe_for(self.mixer, self.recipe_name)  # a kind with nothing to train is refused here, before any work
-        require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
-        require(self.budget_minutes <= MAX_BUDGET_MINUTES,
-                f"--budget-minutes must be at most {MAX_BUDGET_MINUTES:,} (a year), got {self.budget_minutes}")
+        if self.budget_minutes is not None:
+            require(self.budget_minutes > 0, f"--budget-minutes must be > 0, got {self.budget_minutes}")
+            require(self.budget_minutes <= MAX_BUDGET_MINUTES,
+                    f"--budget-minutes must be at most {MAX_BUDGET_MINUTES:,} (a year), got {self.budget_minutes}")
+            require(self.steps is None, "--steps and --budget-minutes both fix the training steps: give one")
         if self.steps is not None:
             require(len(self.steps) == 2 and all(isinstance(n, int) and n >= 1 for n in self.steps),
                     f"--steps must be two positive integers TRANSFER,LM, got {self.steps}")
@@ -138,6 +144,25 @@ class RunConfig:
         """How the run trains: the mixer kind's recipe (`recipe.py`), at tiny sizes when `quick`."""
         recipe = recipe_for(self.mixer, self.recipe_name)
         return recipe.quick() if self.quick else recipe
+
+    @property
+    def training_budget(self) -> float | None:
+        """Minutes of training that `plan` turns into steps: `--budget-minutes`, else for a
+        recipe without measured steps `DEFAULT_BUDGET_MINUTES`; None where the steps are fixed
+        (`--steps`, or the recipe's measured ones)."""
+        if self.steps is not None:
+            return None
+        if self.budget_minutes is not None:
+            return self.budget_minutes
+        return None if self.recipe.measured_steps is not None else DEFAULT_BUDGET_MINUTES
+
+    @property
+    def training_steps(self) -> tuple[int, int] | None:
+        """(transfer, lm) steps fixed before any timing: `--steps`, else the recipe's measured
+        steps where no budget is given; None where a budget decides them."""
+        if self.steps is not None:
+            return self.steps
+        return None if self.training_budget is not None else self.recipe.measured_steps
 
     @property
     def learning_rates(self) -> tuple[float, float]:

@@ -7,8 +7,8 @@
                positions, the texts' lengths) from the model's config and its tokenizer
 2. `analyze`   head statistics and scores on the training text -> scores.json, heads.png
 3. `convert`   replace the top-beta KV groups -> converted/
-4. `plan`      time one step of each training stage and turn the budget into step counts
-               (or take `steps` as given)
+4. `plan`      fix the step counts: `steps` as given, else the recipe's measured steps or
+               what a time budget buys (one step of each training stage timed)
 5. `transfer`  train the mixers to reproduce the replaced heads -> transfer/
 6. `lm`        end-to-end training towards the original -> final/
 7. `evaluate`  every evaluation task `run` uses, on the original, the converted models and
@@ -16,11 +16,14 @@
 8. `bench`     cache bytes, prefill time and decode speed against the original
 9. `report`    metrics.json, report.md and the loss plot
 
-How the stages train is the mixer kind's recipe (`recipe.py`). [ours] The time budget
-(`budget_minutes`) is the training time: `plan` times one optimizer step of each stage on
-a copy of the model and fixes the step counts (the recipe's `transfer_share` of the budget
-for `transfer`, the rest for `lm`), so a re-run trains exactly the same steps whatever the
-machine's load is then; `steps` fixes them instead (to compare runs at equal tokens).
+How the stages train is the mixer kind's recipe (`recipe.py`). [ours] A run trains the
+recipe's measured steps (`Recipe.measured_steps`: those its documented numbers were
+measured with), so it makes the documented model on any machine; `steps` fixes others (to
+compare runs at equal tokens). A time budget (`budget_minutes`, and for a recipe without
+measured steps the default one) bounds the training time instead: `plan` times one
+optimizer step of each stage on a copy of the model and fixes the step counts (the
+recipe's `transfer_share` of the budget for `transfer`, the rest for `lm`), so a re-run
+trains exactly the same steps whatever the machine's load is then.
 
 `analyze_heads` and `convert_heads` are also the `analyze` and `convert` commands.
 """
@@ -312,11 +315,13 @@ def convert_stage(run: Run) -> dict:
 
 def plan(run: Run) -> dict:
     """The step counts of the two training stages: `--steps` as given (nothing timed), else
-    what the time budget buys here, from one timed step of each stage. Says in one line how
-    many steps, how long they should take, and, where a budget buys fewer than the steps the
-    recipe's documented numbers were measured with, that it does (`plan_line`)."""
-    if run.config.steps is not None:
-        record = {"transfer_steps": run.config.steps[0], "lm_steps": run.config.steps[1]}
+    the recipe's measured steps or what a time budget buys here, from one timed step of each
+    stage. Says in one line how many steps, where they come from, how long they should take
+    here, and, where a budget buys fewer than the steps the recipe's documented numbers were
+    measured with, that it does (`plan_line`)."""
+    config = run.config
+    if config.steps is not None:
+        record = {"transfer_steps": config.steps[0], "lm_steps": config.steps[1]}
     elif run.sizes.fixed_steps is not None:
         return {"transfer_steps": run.sizes.fixed_steps, "lm_steps": run.sizes.fixed_steps}
     else:
@@ -326,12 +331,16 @@ def plan(run: Run) -> dict:
             probe = run.train_config(stage, 1)
             timed[stage] = seconds_per_step(student, lambda copy, probe=probe: objective_for(probe, copy, teacher),
                                             run.stage_data(stage)[0], probe)
-        record = {"transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3),
-                  **budget_steps(run.config.budget_minutes, run.recipe.transfer_share, timed)}
+        record = {"transfer_step_s": round(timed["transfer"], 3), "lm_step_s": round(timed["lm"], 3)}
+        if config.training_budget is None:
+            record.update(transfer_steps=config.training_steps[0], lm_steps=config.training_steps[1])
+        else:
+            record.update(budget_minutes=config.training_budget,
+                          **budget_steps(config.training_budget, run.recipe.transfer_share, timed))
         record["expected_minutes"] = round(sum(record[f"{s}_steps"] * timed[s] for s in timed) / 60, 1)
     if run.recipe.measured_steps is not None:
         record["measured_steps"] = list(run.recipe.measured_steps)
-    tqdm.write(f"recurformer: {plan_line(record, run.config.budget_minutes)}", file=sys.stderr)
+    tqdm.write(f"recurformer: {plan_line(record)}", file=sys.stderr)
     return record
 
 
@@ -348,20 +357,24 @@ def budget_steps(minutes: float, transfer_share: float, step_seconds: dict[str, 
     return {f"{stage}_steps": n for stage, n in steps.items()}
 
 
-def plan_line(record: dict, budget_minutes: float) -> str:
-    """`plan`'s one line: the steps, where they come from, the time they should take here,
-    and whether they fall short of the recipe's measured steps."""
+def plan_line(record: dict) -> str:
+    """`plan`'s one line: the steps, where they come from (`--steps`, the recipe's measured
+    steps, or a budget: `record["budget_minutes"]`), the time they should take here, and
+    whether they fall short of the recipe's measured steps."""
     steps = (record["transfer_steps"], record["lm_steps"])
     if "expected_minutes" not in record:
         return f"training {steps[0]} + {steps[1]} steps (--steps)"
-    line = (f"training {steps[0]} + {steps[1]} steps, what the {budget_minutes:g}-minute budget buys here "
-            f"({record['transfer_step_s']:.1f} s and {record['lm_step_s']:.1f} s a step): about "
-            f"{record['expected_minutes']:.0f} minutes")
+    timing = (f"({record['transfer_step_s']:.1f} s and {record['lm_step_s']:.1f} s a step): about "
+              f"{record['expected_minutes']:.0f} minutes")
+    if "budget_minutes" not in record:
+        return (f"training {steps[0]} + {steps[1]} steps, the recipe's measured steps, here {timing}; "
+                "--budget-minutes bounds the time instead")
+    line = f"training {steps[0]} + {steps[1]} steps, what the {record['budget_minutes']:g}-minute budget buys here {timing}"
     measured = record.get("measured_steps")
     if measured and (steps[0] < measured[0] or steps[1] < measured[1]):
         line += (f"; fewer than the {measured[0]} + {measured[1]} the documented numbers were measured with, so "
                  f"retrieval falls short of them (docs/where-it-wins.md); --steps {measured[0]},{measured[1]} "
-                 "trains those")
+                 "(the default) trains those")
     return line
 
 
