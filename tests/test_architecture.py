@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "mixers": 2,
     "attention": 3, "attention_hook": 3, "cache": 3,
     "modeling": 4, "surgery": 4, "decode_graph": 4,
-    "loading": 5, "model_card": 5, "metrics": 5, "ablation": 5, "retrieval_probe": 5, "equal_cache": 5, "scoring": 5,
+    "loading": 5, "model_card": 5, "metrics": 5, "ablation": 5, "retrieval_probe": 5, "equal_cache": 5, "eviction": 5, "scoring": 5,
     "train": 5,
     "evaluate": 5, "bench": 5, "recipe": 5, "export": 5,
     "report": 6,

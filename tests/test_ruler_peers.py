@@ -8,11 +8,11 @@ import pytest
 import torch
 from benchmark_scripts import benchmark_script
 from tiny_models import MIXERS, open_gates, spec_for, tiny_model, tiny_tokenizer
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer import convert
 from recurformer.cache import HybridCache
 from recurformer.evaluate.generation import prefilled_answer
+from recurformer.eviction import score
 
 
 @pytest.fixture(scope="module")
@@ -55,45 +55,6 @@ def prefill(model, context):
     with torch.no_grad():
         model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
     return cache
-
-
-@pytest.mark.parametrize("name", ["snapkv", "tova"])
-def test_window_scores_are_the_models_own_attention(press, name):
-    """SnapKV and TOVA score keys by the attention the context's last queries pay them: the same
-    weights the model computes (eager attention, weights returned), pooled as the press pools."""
-    original = tiny_model("llama", attn_implementation="eager")
-    model = kept_everything(original)
-    hook = press.KeptPress(model, name, 1.0)
-    context = ids(90)
-    prefill(model, context)
-    with torch.no_grad():
-        attentions = original(torch.tensor([context]), output_attentions=True).attentions
-    window = press.SNAP_WINDOW if name == "snapkv" else 1
-    for module in model.hybrid_attentions():
-        hidden, embeddings = hook.inputs[module.layer_idx]
-        keys = module.k_proj(hidden).view(1, 90, -1, module.head_dim).transpose(1, 2)
-        keys, _ = apply_rotary_pos_emb(keys, keys, *embeddings)
-        scores = press.score(name, module, hidden, keys, keys, embeddings, hook.rotary)
-        weights = attentions[module.layer_idx][:, :, -window:, :-window].mean(dim=-2)  # [1, Hq, T - window]
-        if name == "snapkv":
-            weights = torch.nn.functional.avg_pool1d(weights, 5, padding=2, stride=1)
-            expected = weights.view(1, keys.shape[1], -1, 90 - window).mean(dim=2)
-        else:
-            expected = weights.mean(dim=1, keepdim=True).expand(1, keys.shape[1], 90 - window)
-        torch.testing.assert_close(scores[..., :-window], expected, atol=1e-5, rtol=1e-4)
-        assert bool((scores[..., -window:] > scores[..., :-window].max()).all())
-
-
-def test_the_average_rope_is_the_mean_rotation(press):
-    original = tiny_model("llama")
-    rotary = original.get_decoder().rotary_emb
-    vector = torch.randn(1, 1, 1, 12)  # [B, H, T, D]: the llama tiny model's head_dim
-    rotation = press.average_rope(rotary, vector, 30, 7)
-    positions = torch.arange(30, 37)[None]
-    cos, sin = rotary(vector, positions)
-    rotated, _ = apply_rotary_pos_emb(vector.expand(1, 1, 7, 12), vector.expand(1, 1, 7, 12), cos, sin)
-    torch.testing.assert_close(vector[0, 0] @ rotation.T, rotated[0, 0].mean(dim=0, keepdim=True), atol=1e-5,
-                               rtol=1e-5)
 
 
 def test_kvzip_replays_the_context_in_chunks_after_the_chat_templates_user_prefix(press, monkeypatch):
@@ -168,7 +129,7 @@ def test_a_press_keeps_its_best_scored_tokens_and_leaves_the_mixer_state(press, 
                 scores[..., :4] = scores.max() + 1
             else:
                 hidden, embeddings = inputs[module.layer_idx]
-                scores = press.score(name, module, hidden, keys, values, embeddings, hook.rotary)
+                scores = score(name, module, hidden, keys, values, embeddings, hook.rotary, len(context))
             best = scores.topk(45, dim=-1).indices.sort(dim=-1).values
             if name == "kvzip":
                 assert bool((best[..., :4] == torch.arange(4)).all())

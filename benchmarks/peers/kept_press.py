@@ -2,19 +2,11 @@
 with a token-eviction press (docs/results/long-context.md, "Retrieval at equal cache bytes").
 
 kvpress (its own environment, `benchmarks/peers/`) hooks Hugging Face attention modules; our
-`HybridAttention` is not one, so the presses' scores are computed here again, from kvpress
-0.5.5's description and source (read, not copied), for the kept heads only:
+`HybridAttention` is not one, so the presses' scores are computed by us again, from kvpress
+0.5.5's description and source (read, not copied), for the kept heads only: `knorm`, `snapkv`,
+`tova` and `expected-attention` as `recurformer.eviction` scores them (the streaming task's
+eviction uses the same), with the prefill as the chunk just fed, and here:
 
-- `knorm`: the negated L2 norm of each key;
-- `snapkv`: the attention of the context's last 64 queries (RoPE applied) to the earlier keys,
-  averaged over those queries, smoothed by a 5-wide average pool, averaged over the group's query
-  heads; the last 64 tokens are always kept;
-- `tova`: the attention of the context's last query, averaged over all query heads of the layer
-  (one score per token for every group); the last token is always kept;
-- `expected-attention`: the attention that the mean and covariance of the context's queries
-  (pre-RoPE, sinks excluded), rotated by the average RoPE of the next 512 positions, would pay
-  to each key, softmaxed over the keys, averaged over the group, times the value's norm; the 4
-  first tokens are always kept;
 - `kvzip`: how much reconstructing the context needs each key (KVzip, arXiv 2505.23416): after
   the prefill, the model is asked to repeat the context, in chunks of 2,048 tokens (each replay
   from a copy of the prefilled cache: "Repeat the previous context exactly." or, after the
@@ -44,81 +36,18 @@ import copy
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from recurformer.attention import HybridAttention
 from recurformer.cache import CACHE_ARGUMENT
+from recurformer.eviction import SINKS, queries, score
 
 PRESSES = ("knorm", "snapkv", "tova", "expected-attention", "kvzip")
 ALLOCATIONS = ("head", "global")
-SNAP_WINDOW, SNAP_KERNEL = 64, 5
-FUTURE_POSITIONS, SINKS = 512, 4
 REPLAY_CHUNK, REPLAY_OVERLAP = 2048, 8
 FIRST_REPLAY = "\n\nRepeat the previous context exactly."
 LATER_REPLAY = "\n\nRepeat the part of the previous context exactly, starting with"
-
-
-def queries(module: HybridAttention, hidden: Tensor) -> Tensor:
-    """Pre-RoPE queries `[B, Hq_kept, T, D]` of the kept heads for `hidden` `[B, T, hidden]`."""
-    batch, length = hidden.shape[:2]
-    return module.q_proj(hidden).view(batch, length, -1, module.head_dim).transpose(1, 2)
-
-
-def window_attention(module: HybridAttention, hidden: Tensor, keys: Tensor, window: int, cos: Tensor,
-                     sin: Tensor) -> Tensor:
-    """Attention `[B, Hq_kept, window, T - window]` of the last `window` queries to the keys
-    before them (causal inside the window, softmax over all keys)."""
-    q = queries(module, hidden[:, -window:])
-    q, _ = apply_rotary_pos_emb(q, q, cos[:, -window:], sin[:, -window:])
-    expanded = keys.repeat_interleave(module.num_key_value_groups, dim=1)
-    logits = q @ expanded.transpose(2, 3) / math.sqrt(module.head_dim)
-    length = keys.shape[2]
-    logits = logits + torch.full_like(logits, float("-inf")).triu(length - window + 1)
-    return logits.softmax(dim=-1)[..., :-window]
-
-
-def average_rope(rotary, mu: Tensor, start: int, count: int) -> Tensor:
-    """The rotation `[D, D]` that RoPE applies, averaged over positions `start ... start + count - 1`."""
-    cos, sin = rotary(mu, torch.arange(start, start + count)[None])
-    cos, sin = cos[0], sin[0]  # [count, D]
-    dim = cos.shape[-1]
-    swap = torch.zeros(dim, dim)
-    swap[dim // 2:, :dim // 2], swap[:dim // 2, dim // 2:] = torch.eye(dim // 2), -torch.eye(dim // 2)
-    return (cos[:, None] * torch.eye(dim) + sin[:, None] * swap).mean(dim=0)
-
-
-def score(press: str, module: HybridAttention, hidden: Tensor, keys: Tensor, values: Tensor,
-          position_embeddings: tuple[Tensor, Tensor], rotary) -> Tensor:
-    """Scores `[B, Hkv_kept, T]` of the kept heads' keys/values `[B, Hkv_kept, T, D]` (higher: keep)."""
-    batch, heads, length, dim = keys.shape
-    groups = module.num_key_value_groups
-    if press == "knorm":
-        return -keys.norm(dim=-1)
-    if press in ("snapkv", "tova"):
-        window = SNAP_WINDOW if press == "snapkv" else 1
-        weights = window_attention(module, hidden, keys, window, *position_embeddings).mean(dim=-2)
-        if press == "snapkv":
-            weights = F.avg_pool1d(weights, kernel_size=SNAP_KERNEL, padding=SNAP_KERNEL // 2, stride=1)
-            scores = weights.view(batch, heads, groups, length - window).mean(dim=2)
-        else:
-            scores = weights.mean(dim=1, keepdim=True).expand(batch, heads, length - window)
-        return F.pad(scores, (0, window), value=scores.max().item() + 1)
-    if press == "expected-attention":
-        q = queries(module, hidden[:, SINKS:])
-        mu = q.mean(dim=2, keepdim=True)
-        centered = q - mu
-        cov = torch.einsum("bnsi,bnsj->bnij", centered, centered) / q.shape[2]
-        rotation = average_rope(rotary, mu, length, FUTURE_POSITIONS)
-        mu, cov = mu.squeeze(2) @ rotation.T, rotation @ cov @ rotation.T
-        k = keys[:, :, SINKS:].repeat_interleave(groups, dim=1).transpose(2, 3)  # [B, Hq, D, T - sinks]
-        logits = (mu[:, :, None] @ k).squeeze(2) / math.sqrt(dim)
-        logits = logits + torch.einsum("bhin,bhij,bhjn->bhn", k, cov, k) / dim / 2
-        scores = logits.softmax(dim=-1).view(batch, heads, groups, length - SINKS).mean(dim=2)
-        scores = scores * values[:, :, SINKS:].norm(dim=-1)
-        return F.pad(scores, (SINKS, 0), value=scores.max().item() + 1)
-    raise ValueError(f"press {press!r} is not scored from the prefill alone")
 
 
 class Replay:
@@ -239,7 +168,7 @@ class KeptPress:
                 hidden, position_embeddings = self.inputs[module.layer_idx]
                 layer = cache.layers[module.layer_idx]
                 scores[module.layer_idx] = score(self.press, module, hidden, layer.keys, layer.values,
-                                                 position_embeddings, self.rotary)
+                                                 position_embeddings, self.rotary, length)
         if self.allocation == "global":
             chosen = global_selection(scores, kept)
         else:
