@@ -64,6 +64,12 @@ def measure(name: str, model, tokenizer, options: StreamOptions, rows: Path, con
     return row
 
 
+def portable(row: dict) -> dict:
+    """A row as the results show it: its texts named by file name, not where they lay here."""
+    options = {**row["options"], "data": [Path(p).name for p in row["options"]["data"]]}
+    return {**{k: v for k, v in row.items() if k not in ("per_stream", "converted")}, "options": options}
+
+
 def check_kinds(original: dict, kinds: tuple[str, ...]) -> None:
     weak = {k: v["accuracy"] for k, v in original["summary"]["by_kind"].items() if v["accuracy"] < KEEP_KIND}
     if weak:
@@ -207,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"schema": SCHEMA, "setup": {"converted": Path(args.converted).name, "streams": args.streams,
                                         "tokens": args.tokens, "chunk": args.chunk, "kinds": ",".join(kinds),
                                         "budgets": budgets, "presses": presses, "seed": args.seed, "window": size},
-            "rows": {name: {k: v for k, v in row.items() if k not in ("per_stream", "converted")}
-                     for name, row in rows.items()},
+            "rows": {name: portable(row) for name, row in rows.items()},
             "comparisons": comparisons(rows, budgets)}
     out = Path(args.out)
     write_json_atomic(out.with_suffix(".json"), data)
