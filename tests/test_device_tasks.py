@@ -16,6 +16,7 @@ from recurformer.evaluate import TASKS, make_options, mqar
 from recurformer.run.stages import analyze_heads
 from recurformer.scoring import AnalysisConfig, HeadScores, SelectionConfig
 from recurformer.surgery import convert
+from recurformer.tasks import stream as stream_task
 
 # Each task's options at tiny sizes (`data`, for the tasks that read text, is added).
 OPTIONS = {
@@ -27,6 +28,8 @@ OPTIONS = {
     "ppl-by-distance": {"context": 64, "sequences": 2},
     "ruler": {"context": 480, "tasks": "niah_single_1", "problems": 2},
     "shared-context": {"context": 400, "contexts": 1, "needles": 1},
+    "stream": {"tokens": 500, "streams": 1, "chunk": 32, "kinds": "set,count", "gap": 20, "press": "tova",
+               "budget": 0.5},
 }
 
 
@@ -69,6 +72,8 @@ def test_every_task_is_checked():
 def test_each_task_gives_on_the_device_what_it_gives_on_the_cpu(name, device, tmp_path, monkeypatch):
     # MQAR's words: the tiny tokenizer has too few; a CPU tensor, as `word_pool` returns
     monkeypatch.setattr(mqar, "word_pool", lambda tokenizer, size: torch.arange(size) % 97)
+    # the stream's words: the tiny tokenizer writes none as one token; several tokens each serve here
+    monkeypatch.setattr(stream_task, "single_token_words", lambda tokenizer, words: words)
     task, (original, converted), tokenizer = TASKS[name], converted_pair(), tiny_tokenizer(alphabet=ASCII)
     data = tmp_path / "text.txt"
     data.write_text(TEXT)

@@ -19,6 +19,7 @@ from recurformer.evaluate import TASKS
 from recurformer.evaluate.stream import StreamOptions, evaluate, feed_stream, original_bytes_per_token, tokens_kept
 from recurformer.eviction import as_hybrid
 from recurformer.tasks import shared_context
+from recurformer.tasks import stream as stream_task
 from recurformer.tasks.ruler import Sources
 from recurformer.tasks.stream import INSTRUCTION, WORDS, distance_bin, generate_stream, generate_streams
 
@@ -195,6 +196,12 @@ def test_text_too_short_for_a_stream_is_one_line(tokenizer, tmp_path):
     with pytest.raises(DataError, match="--task stream: "):
         evaluate(model_for(tokenizer), tokenizer, StreamOptions(data=[str(short)], tokens=512, streams=1),
                  progress=False)
+
+
+def test_streams_without_a_check_are_one_line(tokenizer, text, monkeypatch):
+    monkeypatch.setattr(stream_task, "WRITE_SHARE", 1.0)  # every log line a write: nothing is checked
+    with pytest.raises(DataError, match=r"^--task stream: 512-token streams hold no check of the log; ask for longer"):
+        evaluate(model_for(tokenizer), tokenizer, StreamOptions(data=text, tokens=512, streams=2), progress=False)
 
 
 def test_eval_refuses_an_unknown_press_with_exit_2_and_writes_nothing(tmp_path, text, capsys):

@@ -239,6 +239,9 @@ def evaluate(model, tokenizer, options: StreamOptions, progress: bool = True) ->
     finally:
         if eviction is not None:
             eviction.remove()
+    if not any(r["units"] for r in records):
+        raise DataError(f"--task stream: {options.tokens:,}-token streams hold no check of the log; ask for longer "
+                        "streams or a shorter --gap")
     peak = max(r["peak_bytes"] for r in records)
     if budget is not None and peak > budget:  # the eviction's arithmetic is wrong: no number is better than this one
         raise RuntimeError(f"the cache held {peak:,} bytes, more than the budget's {budget:,}")

@@ -201,7 +201,8 @@ def generate_stream(tokenizer, sources: Sources, tokens: int, kinds: tuple[str, 
         builder.ids += text
         written = [e for e in entities if e.values]
         writable = [e for e in entities if not (e.kind == "count" and e.values and int(e.values[-1]) >= MAX_COUNT)
-                    and not (e.kind == "append" and len(e.values) >= MAX_ITEMS)]
+                    and not (e.kind == "append" and len(e.values) >= MAX_ITEMS)
+                    and not (e.kind == "set" and len(e.values) >= len(colours))]
         if not written:  # the first line sets a dial: every stream has one for its free check
             _write(rng.choice([e for e in entities if e.kind == "set"]), rng, builder, colours, items)
         elif writable and rng.random() < WRITE_SHARE:
