@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from recurformer.config import parse_choices
 from recurformer.equal_cache import window_baseline
 from recurformer.errors import RecurformerError
 from recurformer.evaluate.bootstrap import paired_interval
@@ -182,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kinds = parse_kinds(args.kinds)
         budgets = [float(b) for b in args.budgets.split(",")]
-        presses = [p for p in args.presses.split(",") if p]
-        unknown = [p for p in presses if p not in PRESSES]
-        if unknown or not presses:
-            raise SystemExit(f"streaming: --presses: unknown {unknown[0] if unknown else args.presses!r}; "
-                             f"choose from {', '.join(PRESSES)}")
+        presses = list(parse_choices(args.presses, "--presses", PRESSES))
         converted, tokenizer = load_converted(args.converted)
         original = load_teacher(converted)
         rows_dir, identity = Path(args.rows), str(Path(args.converted).resolve())

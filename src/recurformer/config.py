@@ -31,6 +31,16 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def parse_choices(text: str, flag: str, choices) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b') for `flag`, each one of `choices`; a one-line error naming the
+    first unknown one (or the empty list)."""
+    chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [c for c in chosen if c not in choices]
+    if unknown or not chosen:
+        raise ConfigError(f"{flag}: unknown {unknown[0] if unknown else text!r}; choose from {', '.join(choices)}")
+    return chosen
+
+
 def option(default: Any = None, help: str = "", factory: Callable[[], Any] | None = None, **extra: Any) -> Any:
     """A dataclass field that is also a command-line flag: its default (or a `factory` that
     makes it), its `--help` text, and optional argparse details (`flag`, `metavar`, `parse`).

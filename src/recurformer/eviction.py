@@ -129,6 +129,12 @@ def score(press: str, module: HybridAttention, hidden: Tensor, keys: Tensor, val
     raise ConfigError(f"unknown press {press!r}; choose one of {', '.join(PRESSES)}")
 
 
+def least_kept(press: str) -> int:
+    """The fewest tokens per head `press` can keep: more than StreamingLLM's sinks, more than
+    SnapKV's window of always-kept tokens, else one."""
+    return {"streaming": SINKS + 1, "snapkv": SNAP_WINDOW + 1}.get(press, 1)
+
+
 def as_hybrid(model) -> RecurFormerForCausalLM:
     """`model` itself if converted, else the original as a conversion that replaces no group
     (every head kept: the same outputs, in a `HybridCache` that eviction can act on)."""
@@ -148,9 +154,8 @@ class Eviction:
     def __init__(self, model: RecurFormerForCausalLM, press: str, keep: int) -> None:
         if press not in PRESSES:
             raise ConfigError(f"unknown press {press!r}; choose one of {', '.join(PRESSES)}")
-        if keep < 1 or (press == "streaming" and keep <= SINKS) or (press == "snapkv" and keep <= SNAP_WINDOW):
-            least = SINKS + 1 if press == "streaming" else SNAP_WINDOW + 1 if press == "snapkv" else 1
-            raise ConfigError(f"the {press} press must keep at least {least} tokens per head, got {keep}")
+        if keep < least_kept(press):
+            raise ConfigError(f"the {press} press must keep at least {least_kept(press)} tokens per head, got {keep}")
         self.press, self.keep = press, keep
         self.rotary = model.get_decoder().rotary_emb
         self.modules = model.hybrid_attentions()

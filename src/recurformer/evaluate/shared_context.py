@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import CACHE_ARGUMENT
-from ..config import ConfigError, option, require
+from ..config import option, parse_choices, require
 from ..corpus_sources import shared_corpora, shown_corpora
 from ..data import DataError, load_documents
 from ..device import model_device
@@ -36,11 +36,7 @@ DEPTH_BINS = ("0-1/3", "1/3-2/3", "2/3-1")
 
 def parse_modes(text: str) -> tuple[str, ...]:
     """'multi-request,multi-turn' -> ('multi-request', 'multi-turn'), checked."""
-    modes = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ConfigError(f"--modes: unknown {unknown[0] if unknown else text!r}; choose from {', '.join(MODES)}")
-    return modes
+    return parse_choices(text, "--modes", MODES)
 
 
 @dataclass(frozen=True)

@@ -22,27 +22,25 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import CACHE_ARGUMENT, HybridCache
-from ..config import ConfigError, option, require
+from ..config import ConfigError, option, parse_choices, require
 from ..corpus_sources import shared_corpora, shown_corpora
 from ..data import DataError, load_documents
 from ..device import model_device
 from ..equal_cache import mixer_state_bytes
-from ..eviction import PRESSES, SNAP_WINDOW, SINKS, Eviction, as_hybrid
+from ..eviction import PRESSES, Eviction, as_hybrid, least_kept
 from ..tasks.ruler import Sources
 from ..tasks.shared_context import is_exact
 from ..tasks.stream import DIALS, GAP, KINDS, Stream, bin_names, distance_bin, generate_streams
 from .bootstrap import interval
 from .registry import Task, register
 from .ruler import digest, eos_ids
+from .shared_context import value_start
 
 HAYSTACK_CORPORA = ("wikitext-2-raw-test.txt",)  # held-out text: never trained on
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
-    kinds = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        raise ConfigError(f"--kinds: unknown {unknown[0] if unknown else text!r}; choose from {', '.join(KINDS)}")
+    kinds = parse_choices(text, "--kinds", KINDS)
     if "set" not in kinds:
         raise ConfigError("--kinds must include set: a stream ends with a free check of a dial")
     return kinds
@@ -103,20 +101,28 @@ def kept_bytes_per_token(model) -> int:
     return sum(len(m.kept_kv_heads) * m.head_dim * 2 * size for m in model.hybrid_attentions())
 
 
+def budget_bytes(model, options: StreamOptions) -> int | None:
+    """The most the model may hold at any point: `budget` x the original's cache at the
+    stream's end; None without a budget."""
+    if options.budget is None:
+        return None
+    return round(options.budget * options.tokens * original_bytes_per_token(model))
+
+
 def tokens_kept(model, options: StreamOptions) -> int | None:
     """How many tokens each kept head keeps after an eviction so that `model` (hybrid) never
     holds more than the budget: the budget less the replaced heads' state and one chunk;
     None without a budget or where the model's whole cache fits it anyway."""
-    if options.budget is None:
+    budget = budget_bytes(model, options)
+    if budget is None:
         return None
-    budget = options.budget * options.tokens * original_bytes_per_token(model)
     state, per_token = mixer_state_bytes(model), kept_bytes_per_token(model)
     if per_token == 0 or state + options.tokens * per_token <= budget:
         return None
-    keep = int((budget - state) // per_token) - options.chunk
-    least = SINKS + 1 if options.press == "streaming" else SNAP_WINDOW + 1 if options.press == "snapkv" else 1
+    keep = (budget - state) // per_token - options.chunk
+    least = least_kept(options.press)
     if keep < least:
-        raise ConfigError(f"--budget {options.budget:g} holds {budget:,.0f} bytes: not the replaced heads' state "
+        raise ConfigError(f"--budget {options.budget:g} holds {budget:,} bytes: not the replaced heads' state "
                           f"({state:,} bytes) and one --chunk of {options.chunk} tokens with {least} kept per head "
                           f"({per_token:,} bytes a token); give a larger --budget or a smaller --chunk")
     return keep
@@ -125,11 +131,6 @@ def tokens_kept(model, options: StreamOptions) -> int | None:
 def _held(cache: HybridCache) -> int:
     sizes = cache.nbytes()
     return sizes["kv"] + sizes["mixer_state"]
-
-
-def _informative(tokenizer, tokens: tuple[int, ...]) -> int:
-    """The first of an answer's tokens that holds a character (a bare space says nothing)."""
-    return next((i for i, t in enumerate(tokens) if tokenizer.decode([t]).strip()), 0)
 
 
 @torch.no_grad()
@@ -172,7 +173,7 @@ def feed_stream(model, tokenizer, stream: Stream, chunk: int, eviction: Eviction
             logits = forward([token], len(ids) + step)
     units = []
     for unit in stream.units:
-        first = _informative(tokenizer, unit.tokens)
+        first = value_start(tokenizer, list(unit.tokens))
         scored = [predicted[unit.start + i - 1] for i in range(first, len(unit.tokens))]
         correct = all(argmax == unit.tokens[first + i] for i, (_, argmax) in enumerate(scored))
         record = {"kind": unit.kind, "distance": unit.distance, "correct": correct,
@@ -229,7 +230,7 @@ def evaluate(model, tokenizer, options: StreamOptions, progress: bool = True) ->
     check(options, model.config.get_text_config())
     hybrid = as_hybrid(model).eval()
     keep = tokens_kept(hybrid, options)
-    budget = None if options.budget is None else round(options.budget * options.tokens * original_bytes_per_token(hybrid))
+    budget = budget_bytes(hybrid, options)
     streams = make_streams(tokenizer, options)
     eviction = None if keep is None else Eviction(hybrid, options.press, keep)
     eos = eos_ids(model, tokenizer)

@@ -29,7 +29,7 @@ from .stages import STAGES, Run, Stage, analyze_heads, check_stages, convert_hea
 
 # seconds a training step took in the example run (docs/results/example-run): the progress
 # bar's guess for fixed steps, before `plan` has timed them
-STEP_SECONDS = {"transfer": 13.0, "lm": 43.0}
+STEP_SECONDS = {"transfer": 10.0, "lm": 32.0}
 
 
 def stage_weights(config: RunConfig) -> dict[str, float]:
