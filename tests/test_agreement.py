@@ -66,3 +66,30 @@ def test_a_given_original_is_not_loaded_again(setup, monkeypatch):
     assert given["kl"] == pytest.approx(alone["kl"], rel=1e-6) and given["top1_agreement"] == alone["top1_agreement"]
     with pytest.raises(AssertionError, match="second time"):  # without it, it loads the original
         task.measure(converted, tokenizer, options)
+
+
+def test_the_reference_reads_each_window_once_and_gives_the_same_numbers(setup):
+    """A second model compared with the same reference on the same windows (the final model,
+    then the window baseline, in `run`) reuses the reference's states: same numbers exactly."""
+    original = setup[0]
+    windows = torch.randint(0, 97, (3, 64))
+    first, second = (convert(original, spec_for(original, 0.5), init="random", seed=seed) for seed in (0, 1))
+
+    def copy():  # the same weights in another module: nothing to reuse
+        reference = tiny_model("llama")
+        reference.load_state_dict(original.state_dict())
+        return reference
+
+    fresh = [agreement(model, copy(), windows, progress=False) for model in (first, second)]
+    reference, reads = copy(), []
+    hook = reference.get_decoder().register_forward_hook(lambda *args: reads.append(1))
+    try:
+        reused = [agreement(first, reference, windows, progress=False)]
+        assert len(reads) == 3
+        reused.append(agreement(second, reference, windows, progress=False))
+        assert len(reads) == 3  # the reference's states were kept from the first call
+        agreement(first, reference, (windows[:1] + 1) % 97, progress=False)
+        assert len(reads) == 4  # a window it has not read is read
+    finally:
+        hook.remove()
+    assert reused == fresh

@@ -3,6 +3,7 @@ the step-time probe, the report, and `recurformer generate`."""
 
 import json
 import re
+import shutil
 import string
 from dataclasses import replace
 from pathlib import Path
@@ -11,13 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import LlamaConfig
-from tiny_models import save_tiny_model, spec_for, tiny_model
+from tiny_models import save_tiny_model, save_tiny_run_model, spec_for, tiny_model
 
 from recurformer import recipe as recipe_module
 from recurformer import retrieval_probe
 from recurformer.cli import main
 from recurformer.config import ConfigError
 from recurformer.data import DataError, load_documents, token_sequences
+from recurformer.evaluate import Task
 from recurformer.hub import ModelResolutionError
 from recurformer.metrics import by_key
 from recurformer.mixers import MIXERS, MixerConfig, resolve_for_model
@@ -676,3 +678,49 @@ def test_bad_retrieval_input_is_one_line_and_leaves_nothing(texts, tmp_path, cap
     last = err.rstrip("\n").split("\n")[-1]  # after the progress bar, if the run began
     assert code == 2 and "Traceback" not in err and last.startswith("recurformer: error: ") and re.search(message, last)
     assert not out.exists()
+
+
+def test_an_interrupted_evaluation_measures_only_the_rest_and_gives_the_same_results(texts, tmp_path, monkeypatch):
+    """The evaluate stage keeps each result as it comes (eval-partial.json): stopped in the
+    middle and run again, it measures only what it had not, and writes the eval.json of a run
+    that was not stopped; results made with other models (a stage's record changed) are not reused."""
+    train, held_out = texts
+    config = RunConfig(model=str(save_tiny_run_model(tmp_path / "tiny")), data=train, eval_data=held_out,
+                       ood_data=held_out, quick=True)
+    until_lm = [stage for stage in STAGES if stage[0] in ("resolve", "analyze", "convert", "plan", "transfer", "lm")]
+    with pytest.raises(FileNotFoundError, match="metrics.json"):  # no report stage: no metrics
+        run_pipeline(config, tmp_path / "run", progress=False, stages=until_lm)
+    for name in ("straight", "stale"):
+        shutil.copytree(tmp_path / "run", tmp_path / name)
+    evaluate_stage = [stage for stage in STAGES if stage[0] == "evaluate"]
+    measured, stop_at = [], {"call": 4}
+    measure = Task.measure
+
+    def counted(self, *args, **kwargs):
+        measured.append(self.name)
+        if len(measured) == stop_at["call"]:
+            raise KeyboardInterrupt
+        return measure(self, *args, **kwargs)
+
+    monkeypatch.setattr(Task, "measure", counted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(config, tmp_path / "run", progress=False, stages=evaluate_stage)
+    partial = json.loads((tmp_path / "run" / "eval-partial.json").read_text())["results"]
+    assert sum(len(models) for models in partial.values()) == 3 and not (tmp_path / "run" / "eval.json").exists()
+    with pytest.raises(FileNotFoundError, match="metrics.json"):
+        run_pipeline(config, tmp_path / "run", progress=False, stages=evaluate_stage)
+    resumed = len(measured) - 4  # the interrupted evaluation again, and those after it
+    assert not (tmp_path / "run" / "eval-partial.json").exists()
+
+    with pytest.raises(FileNotFoundError, match="metrics.json"):
+        run_pipeline(config, tmp_path / "straight", progress=False, stages=evaluate_stage)
+    everything = len(measured) - 4 - resumed
+    assert resumed == everything - 3
+    assert (json.loads((tmp_path / "run" / "eval.json").read_text())
+            == json.loads((tmp_path / "straight" / "eval.json").read_text()))
+
+    (tmp_path / "stale" / "eval-partial.json").write_text(json.dumps(
+        {"made_by": {"convert": None, "transfer": None, "lm": None}, "results": partial}))
+    with pytest.raises(FileNotFoundError, match="metrics.json"):
+        run_pipeline(config, tmp_path / "stale", progress=False, stages=evaluate_stage)
+    assert len(measured) - 4 - resumed - everything == everything  # made with other models: measured again

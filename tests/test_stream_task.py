@@ -3,6 +3,7 @@ they test, the budget holds at every point of a stream, and bad options are one 
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from recurformer.cli import main
 from recurformer.config import ConfigError
 from recurformer.data import DataError
 from recurformer.evaluate import TASKS
+from recurformer.evaluate import stream as stream_evaluation
 from recurformer.evaluate.stream import StreamOptions, evaluate, feed_stream, original_bytes_per_token, tokens_kept
 from recurformer.eviction import as_hybrid
 from recurformer.tasks import shared_context
@@ -223,13 +225,12 @@ def test_the_streaming_benchmark_keeps_a_kind_only_where_the_original_answers_60
 
 def test_the_streaming_benchmark_compares_the_capped_conversion_paired_by_stream(tmp_path, tokenizer, text):
     """The comparisons pair the rows stream by stream: the conversion against the best press,
-    the window and the full original; a rerun reads a row already measured."""
+    the window and the full original."""
     with benchmark_script("long_context.streaming") as streaming:
         model = model_for(tokenizer)
         options = StreamOptions(data=text, tokens=1024, streams=3, chunk=32)
         row = streaming.measure("original", model, tokenizer, options, tmp_path, "runs/x/final")
-        assert (tmp_path / "original.json").is_file() and len(row["per_stream"]) == 3
-        assert streaming.measure("original", None, None, options, tmp_path, "runs/x/final") == row  # read back
+        assert len(row["per_stream"]) == 3
 
         def shifted(points: float) -> dict:
             return {**row, "headline": row["headline"] + points,
@@ -241,3 +242,23 @@ def test_the_streaming_benchmark_compares_the_capped_conversion_paired_by_stream
         assert found["snapkv@0.5"] == pytest.approx((8.0, 8.0, 8.0))
         assert found["window+snapkv@0.5"] == pytest.approx((3.0, 3.0, 3.0))
         assert found["original"] == pytest.approx((-2.0, -2.0, -2.0))
+
+
+def test_the_streaming_benchmark_keeps_each_stream_and_measures_only_the_missing_ones(tmp_path, tokenizer, text,
+                                                                                         monkeypatch):
+    """A row's streams are kept as they are measured: a rerun with more streams feeds only the
+    new ones, and gives what measuring them all at once gives; other options measure afresh."""
+    with benchmark_script("long_context.streaming") as streaming:
+        model, fed = model_for(tokenizer), []
+        feed = stream_evaluation.feed_stream
+        monkeypatch.setattr(stream_evaluation, "feed_stream", lambda *args: fed.append(args[2]) or feed(*args))
+        options = StreamOptions(data=text, tokens=1024, streams=2, chunk=32)
+        streaming.measure("original", model, tokenizer, options, tmp_path, "runs/x/final")
+        assert len(fed) == 2 and sorted(json.loads((tmp_path / "original.json").read_text())["records"]) == ["0", "1"]
+        grown = streaming.measure("original", model, tokenizer, replace(options, streams=3), tmp_path, "runs/x/final")
+        assert len(fed) == 3 and fed[-1] not in fed[:2]  # the third stream only
+        fresh = streaming.measure("original", model, tokenizer, replace(options, streams=3), tmp_path / "fresh",
+                                  "runs/x/final")
+        assert grown == fresh and len(fed) == 6
+        streaming.measure("original", model, tokenizer, replace(options, chunk=64, streams=1), tmp_path, "runs/x/final")
+        assert len(fed) == 7  # another chunk: measured again

@@ -19,7 +19,8 @@ its peak):
 The rule of issue 63: a log event kind counts only where the original with its full cache
 answers at least 60% of it; the script stops, naming the kinds to keep, where one does not.
 Intervals (90%) resample streams, paired between rows (`recurformer.evaluate.bootstrap`).
-Rows are kept in `runs/streaming-rows/` (one JSON each): a rerun measures only what is missing.
+Each row's streams are kept in `runs/streaming-rows/` (one JSON a row) as they are measured: a
+rerun, or one with more `--streams`, measures only the streams missing.
 
     python -m benchmarks.long_context.streaming --converted runs/demo/final --streams 40
 """
@@ -50,25 +51,30 @@ KEEP_KIND = 60.0  # the original's full-cache accuracy a kind needs to count (is
 
 
 def measure(name: str, model, tokenizer, options: StreamOptions, rows: Path, converted: str) -> dict:
-    """Row `name` (from `rows/<name>.json` if it was measured with the same options, beside the
-    same conversion `converted`)."""
-    path = rows / f"{name}.json"
+    """Row `name`. Each stream's record is kept in `rows/<name>.json` as it is measured, beside the
+    options it was measured with (but `streams`) and the conversion `converted`: a rerun, or one
+    with more streams, measures only the streams not kept (a stream depends on its index only)."""
+    path, identity = rows / f"{name}.json", {"options": {**asdict(options), "streams": None}, "converted": converted}
+    kept: dict[str, dict] = {}
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved["options"] == asdict(options) and saved["converted"] == converted:
-            return saved
-    result = evaluate(model, tokenizer, options)
-    row = {"options": asdict(options), "converted": converted, "per_stream": per_stream(result["records"]),
-           **{k: v for k, v in result.items() if k != "records"},
-           "free": [r["free"] for r in result["records"]]}
-    write_json_atomic(path, row)
-    return row
+        if all(saved.get(key) == value for key, value in identity.items()):
+            kept = saved.get("records", {})
+
+    def keep(index: int, record: dict) -> None:
+        kept[str(index)] = record
+        write_json_atomic(path, {**identity, "records": kept})
+
+    known = {int(index): record for index, record in kept.items() if int(index) < options.streams}
+    result = evaluate(model, tokenizer, options, known=known, on_record=keep)
+    return {"options": asdict(options), "per_stream": per_stream(result["records"]),
+            **{k: v for k, v in result.items() if k != "records"}, "free": [r["free"] for r in result["records"]]}
 
 
 def portable(row: dict) -> dict:
     """A row as the results show it: its texts named by file name, not where they lay here."""
     options = {**row["options"], "data": [Path(p).name for p in row["options"]["data"]]}
-    return {**{k: v for k, v in row.items() if k not in ("per_stream", "converted")}, "options": options}
+    return {**{k: v for k, v in row.items() if k != "per_stream"}, "options": options}
 
 
 def check_kinds(original: dict, kinds: tuple[str, ...]) -> None:
@@ -93,6 +99,42 @@ def comparisons(rows: dict, budgets: list[float]) -> list[dict]:
             difference, low, high = paired_interval([rows[conversion]["per_stream"]], [rows[other]["per_stream"]])
             out.append({"budget": budget, "row": conversion, "against": other, "difference": difference,
                         "low": low, "high": high})
+    return out
+
+
+KVPRESS_NAMES = {"streaming-llm": "streaming"}  # kvpress's press names that are not ours
+
+
+def kvpress_check(path: Path, rows: dict, options: StreamOptions) -> list[dict]:
+    """kvpress's own `DecodingPress` around each press (`benchmarks/peers/kvpress_eval.py --stream`,
+    on the streams of `benchmarks/peers/stream_problems.py`) against our row of the same press and
+    budget on the same streams, paired by stream; none if `path` is missing or was made on other
+    streams than our rows'."""
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    theirs = {k: v for k, v in data.get("options", {}).items() if k not in ("streams", "press", "budget", "data")}
+    ours = {k: v for k, v in asdict(options).items() if k in theirs}
+    if theirs != ours:
+        print(f"streaming: {path.name} was made on other streams ({theirs}, ours {ours}); left out", file=sys.stderr)
+        return []
+    out = []
+    for name, row in data["rows"].items():
+        press, budget = name.split("@")
+        ours_name = f"{KVPRESS_NAMES.get(press, press)}@{float(budget)}"
+        if ours_name not in rows:
+            continue
+        streams = [row["streams"][str(i)]["units"] for i in range(len(row["streams"]))]
+        theirs_per_stream = [[100.0 * u["correct"] for u in units] for units in streams]
+        ours_per_stream = rows[ours_name]["per_stream"][:len(streams)]
+        if [len(s) for s in theirs_per_stream] != [len(s) for s in ours_per_stream]:
+            raise SystemExit(f"streaming: {path.name}'s {name} scored other checks than our {ours_name}")
+        difference, low, high = paired_interval([theirs_per_stream], [ours_per_stream])
+        out.append({"kvpress": name, "label": row["label"], "ours": ours_name, "streams": len(streams),
+                    "kvpress_accuracy": sum(map(sum, theirs_per_stream)) / sum(map(len, theirs_per_stream)),
+                    "ours_accuracy": sum(map(sum, ours_per_stream)) / sum(map(len, ours_per_stream)),
+                    "difference": difference, "low": low, "high": high,
+                    "peak_tokens": max(s["peak_tokens"] for s in row["streams"].values())})
     return out
 
 
@@ -138,6 +180,16 @@ def markdown(data: dict) -> str:
     for c in data["comparisons"]:
         lines.append(f"| {c['budget']:g} | {c['row']} | {c['against']} | {c['difference']:+.1f} | "
                      f"[{c['low']:+.1f}, {c['high']:+.1f}] |")
+    if data.get("kvpress"):
+        lines += ["", "Cross-check: kvpress's own `DecodingPress` around each press (compressing after every forward "
+                  "to the tokens our row keeps; `benchmarks/peers/kvpress_eval.py --stream`), on the first streams "
+                  "of our rows; answers right, and kvpress minus ours with its 90% interval paired by stream:", "",
+                  "| kvpress | streams | most tokens held | kvpress | ours | difference | interval |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in data["kvpress"]:
+            lines.append(f"| {c['label']} | {c['streams']} | {c['peak_tokens']:,} | {c['kvpress_accuracy']:.1f} | "
+                         f"{c['ours_accuracy']:.1f} ({c['ours']}) | {c['difference']:+.1f} | "
+                         f"[{c['low']:+.1f}, {c['high']:+.1f}] |")
     return "\n".join(lines) + "\n"
 
 
@@ -170,15 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--converted", required=True, help="the trained conversion (a run's final/)")
     parser.add_argument("--streams", type=int, default=40)
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--kinds", default="set,count,append")
+    parser.add_argument("--kinds", default="set,count",
+                        help="log events (append is left out: the original answers 33%% of it)")
     parser.add_argument("--budgets", default="0.5,0.25")
     parser.add_argument("--presses", default=",".join(p for p in PRESSES if p != "knorm"),
                         help="the presses on the original (knorm, the weakest at prefill, is left out by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", default=str(ROWS), help="where each row's JSON is kept")
     parser.add_argument("--out", default=str(RESULTS / "streaming"), help="writes OUT.json, OUT.md and OUT.png")
+    parser.add_argument("--kvpress", default=str(RESULTS / "long-context" / "stream-kvpress.json"),
+                        help="kvpress's DecodingPress rows to cross-check ours with, if the file is there")
     args = parser.parse_args(argv)
     try:
         kinds = parse_kinds(args.kinds)
@@ -211,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "tokens": args.tokens, "chunk": args.chunk, "kinds": ",".join(kinds),
                                         "budgets": budgets, "presses": presses, "seed": args.seed, "window": size},
             "rows": {name: portable(row) for name, row in rows.items()},
-            "comparisons": comparisons(rows, budgets)}
+            "comparisons": comparisons(rows, budgets), "kvpress": kvpress_check(Path(args.kvpress), rows, options())}
     out = Path(args.out)
     write_json_atomic(out.with_suffix(".json"), data)
     write_text_atomic(out.with_suffix(".md"), markdown(data))

@@ -59,7 +59,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from kvpress import ExpectedAttentionPress, KnormPress, KVzipPress, SnapKVPress, StreamingLLMPress, TOVAPress
+from kvpress import (DecodingPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress, SnapKVPress,
+                     StreamingLLMPress, TOVAPress)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -67,6 +68,7 @@ RESULTS = ROOT / "docs" / "results" / "long-context"
 SCHEMA = "recurformer-long-context-rows/1"
 RULER_SCHEMA = "recurformer-ruler-rows/1"
 SHARED_SCHEMA = "recurformer-shared-context-rows/1"
+STREAM_SCHEMA = "recurformer-stream-rows/1"
 PRESSES = {  # name -> (label, press class); every press with its defaults but the ratio
     "snapkv": ("SnapKV", SnapKVPress),
     "expected-attention": ("ExpectedAttention", ExpectedAttentionPress),
@@ -74,6 +76,7 @@ PRESSES = {  # name -> (label, press class); every press with its defaults but t
     "streaming-llm": ("StreamingLLM", StreamingLLMPress),
     "kvzip": ("KVzip", KVzipPress),
     "tova": ("TOVA", TOVAPress),
+    "keydiff": ("KeyDiff", KeyDiffPress),
 }
 BYTES_TOKENS = 8192
 ANSWER_TOKENS = 8
@@ -277,6 +280,63 @@ def measure_shared(model, tokenizer, args) -> None:
     print(f"wrote {out}")
 
 
+@torch.no_grad()
+def stream_units(model, press, stream: dict, chunk: int) -> tuple[list[dict], int]:
+    """Feed `stream`'s ids `chunk` at a time at their true positions with `press` (a
+    `DecodingPress`) on, and score its checks teacher-forced, as `recurformer.evaluate.stream`
+    does: a check is right when each of its positions predicts the stream's next id. Returns
+    the checks and the most tokens a layer's cache held during a forward."""
+    ids, cache, peak = stream["ids"], DynamicCache(), 0
+    wanted, argmax = {p for unit in stream["units"] for p in unit["positions"]}, {}
+    with press(model):
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            peak = max(peak, cache.get_seq_length() + len(piece))
+            # positions are the stream's; the mask follows the cache's own (shorter) length
+            logits = model(input_ids=torch.tensor([piece]), past_key_values=cache,
+                           position_ids=torch.arange(start, start + len(piece))[None]).logits[0]
+            argmax |= {p: int(logits[p - start].argmax()) for p in range(start, start + len(piece)) if p in wanted}
+    units = [{"kind": unit["kind"], "distance": unit["distance"],
+              "correct": all(argmax[p] == ids[p + 1] for p in unit["positions"])} for unit in stream["units"]]
+    return units, peak
+
+
+def measure_stream(model, args) -> None:
+    """Every press at every budget of the stream problem set, as kvpress's `DecodingPress`
+    around it: compressing after every forward (`compression_interval=1`) to `target_size`, the
+    tokens our rows of the original keep at that budget; streams already in `--out` are kept."""
+    problems = read_json(Path(args.stream), "problem set")
+    out, chunk = Path(args.out), problems["chunk"]
+    for budget in (name for name in args.budgets.split(",") if name):
+        if budget not in problems["kept"]:
+            raise SystemExit(f"error: --budgets {budget}: not a budget of {args.stream} ({', '.join(problems['kept'])})")
+        keep = problems["kept"][budget]
+        for name in (n for n in args.presses.split(",") if n):
+            label, press_class = PRESSES[name]
+            row_name = f"{name}@{budget}"
+            results = open_results(out, STREAM_SCHEMA, problems["digest"])
+            row = results["rows"].get(row_name, {"budget": float(budget), "kind": name, "target_size": keep,
+                                                 "label": f"kvpress DecodingPress({label}), target_size {keep}",
+                                                 "streams": {}, "seconds": 0.0})
+            todo = [i for i in range(len(problems["streams"])) if str(i) not in row["streams"]]
+            print(f"{row_name}: {len(todo)} streams to feed", flush=True)
+            for index in todo:
+                start = time.time()
+                press = DecodingPress(base_press=press_class(), compression_interval=1, target_size=keep)
+                units, peak = stream_units(model, press, problems["streams"][index], chunk)
+                row["streams"][str(index)] = {"units": units, "peak_tokens": peak}
+                row["seconds"] += time.time() - start
+                latest = open_results(out, STREAM_SCHEMA, problems["digest"])
+                latest["rows"][row_name] = row
+                latest["options"] = problems["options"]
+                latest["versions"] = {n: version(n) for n in ("kvpress", "transformers", "torch")}
+                write_json_atomic(out, latest)
+                right = sum(u["correct"] for u in units)
+                print(f"  stream {index}: {right}/{len(units)}, peak {peak} tokens ({time.time() - start:.0f} s)",
+                      flush=True)
+    print(f"wrote {out}")
+
+
 def open_results(out: Path, schema: str, digest: str, accepted: tuple[str, ...] = ()) -> dict:
     """The rows file at `out` (a new one of `schema` if there is none), made on problem set `digest`
     or on one of `accepted` (a prefix of it, shared_problems.py: the file then counts as made on `digest`)."""
@@ -322,9 +382,11 @@ def main() -> None:
     parser.add_argument("--model", default="/root/.cache/recurformer/models/smollm2-135m", help="a HF model folder")
     parser.add_argument("--out", help="default: peers-kvpress.json (ruler-kvpress.json with --ruler)")
     parser.add_argument("--ruler", metavar="PROBLEMS", help="the retrieval problem set (module docstring)")
-    parser.add_argument("--budgets", default="0.5,0.25", help="with --ruler or --shared: budgets of --ours")
+    parser.add_argument("--budgets", default="0.5,0.25", help="with --ruler, --shared or --stream: budgets of --ours "
+                        "(of the problem set with --stream)")
     parser.add_argument("--shared", metavar="PROBLEMS", help="the shared-context problem set (module docstring)")
     parser.add_argument("--contexts", type=int, help="with --shared: answer only the first N contexts")
+    parser.add_argument("--stream", metavar="PROBLEMS", help="the stream problem set (module docstring)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -339,6 +401,10 @@ def main() -> None:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
             measure_set(model, AutoTokenizer.from_pretrained(args.model), args)
             return
+    if args.stream:
+        args.out = args.out or str(RESULTS / "stream-kvpress.json")
+        measure_stream(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval(), args)
+        return
     args.ours, args.out = args.ours or str(RESULTS / "peers-ours.json"), args.out or str(RESULTS / "peers-kvpress.json")
     problems = read_json(Path(args.problems), "problem set")
     ours = read_json(Path(args.ours), "our rows")

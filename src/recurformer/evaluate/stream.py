@@ -16,6 +16,7 @@ each stream weighed alike, with its 90% interval over streams (`evaluate/bootstr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from ..equal_cache import mixer_state_bytes
 from ..eviction import PRESSES, Eviction, as_hybrid, least_kept
 from ..tasks.ruler import Sources
 from ..tasks.shared_context import is_exact
-from ..tasks.stream import DIALS, GAP, KINDS, Stream, bin_names, distance_bin, generate_streams
+from ..tasks.stream import DIALS, GAP, KINDS, Stream, Unit, bin_names, distance_bin, generate_streams
 from .bootstrap import interval
 from .registry import Task, register
 from .ruler import digest, eos_ids
@@ -133,6 +134,13 @@ def _held(cache: HybridCache) -> int:
     return sizes["kv"] + sizes["mixer_state"]
 
 
+def scored_positions(tokenizer, unit: Unit) -> range:
+    """The stream positions whose next-token predictions score `unit`: those before each of
+    its value's tokens (`value_start` on: the check's name and verb are not scored)."""
+    first = value_start(tokenizer, list(unit.tokens))
+    return range(unit.start + first - 1, unit.start + len(unit.tokens) - 1)
+
+
 @torch.no_grad()
 def feed_stream(model, tokenizer, stream: Stream, chunk: int, eviction: Eviction | None, free_tokens: int,
                 eos: set[int]) -> dict:
@@ -140,18 +148,20 @@ def feed_stream(model, tokenizer, stream: Stream, chunk: int, eviction: Eviction
     scored answers, the free completion and the most bytes the cache held."""
     device = model_device(model)
     ids = list(stream.ids)
-    wanted = {u.start + i - 1: ids[u.start + i] for u in stream.units for i in range(len(u.tokens))}
+    wanted = {p: ids[p + 1] for u in stream.units for p in scored_positions(tokenizer, u)}
     predicted: dict[int, tuple[float, int]] = {}  # position -> (log-probability of the next id, argmax)
     cache = HybridCache(model.config.get_text_config().num_hidden_layers)
     peak, logits = 0, None
     if eviction is not None:
         eviction.reset()
 
-    def forward(piece: list[int], start: int):
+    def forward(piece: list[int], start: int, rows: list[int]):
+        """The logits `[len(rows), vocab]` at the chunk's `rows` (only those: the output head
+        is a fifth of the model's arithmetic)."""
         nonlocal peak
         out = model(input_ids=torch.tensor([piece], device=device), use_cache=True,
                     position_ids=torch.arange(start, start + len(piece), device=device)[None],
-                    **{CACHE_ARGUMENT: cache})
+                    logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device), **{CACHE_ARGUMENT: cache})
         peak = max(peak, _held(cache))
         if eviction is not None:
             eviction(cache, start + len(piece))
@@ -159,9 +169,10 @@ def feed_stream(model, tokenizer, stream: Stream, chunk: int, eviction: Eviction
 
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
-        logits = forward(piece, start)
-        for position in (p for p in range(start, start + len(piece)) if p in wanted):
-            row = logits[position - start].log_softmax(dim=-1)
+        scored = [p for p in range(start, start + len(piece)) if p in wanted]
+        last = start + len(piece) == len(ids)  # the free completion starts from the stream's last logits
+        logits = forward(piece, start, [p - start for p in scored] + [len(piece) - 1] * last)
+        for row, position in zip(logits.log_softmax(dim=-1), scored):
             predicted[position] = (float(row[wanted[position]]), int(row.argmax()))
     completion: list[int] = []
     for step in range(free_tokens):
@@ -170,17 +181,17 @@ def feed_stream(model, tokenizer, stream: Stream, chunk: int, eviction: Eviction
             break
         completion.append(token)
         if step + 1 < free_tokens:
-            logits = forward([token], len(ids) + step)
+            logits = forward([token], len(ids) + step, [0])
     units = []
     for unit in stream.units:
-        first = value_start(tokenizer, list(unit.tokens))
-        scored = [predicted[unit.start + i - 1] for i in range(first, len(unit.tokens))]
-        correct = all(argmax == unit.tokens[first + i] for i, (_, argmax) in enumerate(scored))
+        positions = scored_positions(tokenizer, unit)
+        scored = [predicted[p] for p in positions]
+        correct = all(argmax == ids[p + 1] for p, (_, argmax) in zip(positions, scored))
         record = {"kind": unit.kind, "distance": unit.distance, "correct": correct,
                   "logprob": sum(lp for lp, _ in scored) / len(scored)}
         if unit.kind in ("set", "count"):
-            top = scored[0][1]
-            record |= {"overwritten": bool(unit.stale), "stale": top != unit.tokens[first] and top in unit.stale_tokens}
+            top, right = scored[0][1], ids[positions[0] + 1]
+            record |= {"overwritten": bool(unit.stale), "stale": top != right and top in unit.stale_tokens}
         units.append(record)
     text = tokenizer.decode(completion, skip_special_tokens=True)
     free = {"completion": text, "exact": is_exact(text, stream.free_value),
@@ -226,17 +237,29 @@ def make_streams(tokenizer, options: StreamOptions) -> list[Stream]:
         raise DataError(f"--task stream: {error}") from None
 
 
-def evaluate(model, tokenizer, options: StreamOptions, progress: bool = True) -> dict:
+def evaluate(model, tokenizer, options: StreamOptions, progress: bool = True, known: Mapping[int, dict] | None = None,
+             on_record: Callable[[int, dict], None] | None = None) -> dict:
+    """The task's result. `known`: records of streams measured before with the same options (any
+    `streams`), by stream index, taken as they are (a stream depends on its index only);
+    `on_record(index, record)` is called after each stream measured here, so that a caller can
+    keep them and resume."""
     check(options, model.config.get_text_config())
     hybrid = as_hybrid(model).eval()
     keep = tokens_kept(hybrid, options)
     budget = budget_bytes(hybrid, options)
     streams = make_streams(tokenizer, options)
     eviction = None if keep is None else Eviction(hybrid, options.press, keep)
-    eos = eos_ids(model, tokenizer)
+    eos, known = eos_ids(model, tokenizer), known or {}
+    records = []
     try:
-        records = [feed_stream(hybrid, tokenizer, s, options.chunk, eviction, options.free_tokens, eos)
-                   for s in tqdm(streams, desc=f"stream {options.press}", unit="stream", disable=not progress)]
+        for index, stream in enumerate(tqdm(streams, desc=f"stream {options.press}", unit="stream",
+                                            disable=not progress)):
+            if index in known:
+                records.append(known[index])
+                continue
+            records.append(feed_stream(hybrid, tokenizer, stream, options.chunk, eviction, options.free_tokens, eos))
+            if on_record is not None:
+                on_record(index, records[-1])
     finally:
         if eviction is not None:
             eviction.remove()

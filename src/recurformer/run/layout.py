@@ -4,7 +4,8 @@
     scores.json           head scores (analyze); ablation-partial.json while they are measured
     heads.png             the scores as a heatmap, the replaced groups marked
     converted/ transfer/ final/    the converted model after each stage (with training logs)
-    eval.json  bench.json  bench.png  loss.png
+    eval.json             every evaluation's results; eval-partial.json while they are measured
+    bench.json  bench.png  loss.png
     metrics.json  report.md
     stages/<stage>.json   each finished stage's record; a re-run skips a stage that has one
 """
@@ -36,6 +37,7 @@ class RunLayout:
         self.ablation_checkpoint = self.root / "ablation-partial.json"  # removed once scores.json is written
         self.heads_plot = self.root / "heads.png"
         self.evaluation = self.root / "eval.json"
+        self.evaluation_checkpoint = self.root / "eval-partial.json"  # removed once eval.json is written
         self.bench = self.root / "bench.json"
         self.bench_plot = self.root / "bench.png"
         self.loss_plot = self.root / "loss.png"

@@ -47,7 +47,7 @@ from transformers import AutoConfig
 from ..ablation import AblationConfig, check_ablation, check_calibration_text
 from ..attention import check_window_fits
 from ..bench import against_original, check_contexts
-from ..checks import require_finite
+from ..checks import read_json_object, require_finite
 from ..config import ConfigError, check_replaces_some
 from ..device import resolve_device
 from ..data import Corpus, DataError, check_length, check_sequences, count_tokens, load_documents, token_sequences
@@ -399,19 +399,38 @@ def training_stage(stage: str, source: str, target: str) -> Stage:
     return train
 
 
+MODEL_STAGES = ("convert", "transfer", "lm")  # the stages that make the models evaluate reads
+
+
+def evaluations_done(run: Run, made_by: dict) -> dict[str, dict[str, Any]]:
+    """The evaluations an interrupted evaluate stage finished (`{evaluation: {model: result}}`),
+    if they were made with the models the stages' records `made_by` describe; else none."""
+    path = run.layout.evaluation_checkpoint
+    if not path.is_file():
+        return {}
+    saved = read_json_object(path, "partial evaluation")
+    return saved.get("results", {}) if saved.get("made_by") == made_by else {}
+
+
 def evaluate(run: Run) -> dict:
     """Every evaluation of every task `run` uses, on each of the task's models; eval.json is
     `{evaluation: {model: result}}` (an evaluation is a task with options, `Task.run_options`).
     One converted model at a time, each loaded once: the final model is loaded last and
-    held, for the window at equal cache bytes built from its groups and for `bench`."""
+    held, for the window at equal cache bytes built from its groups and for `bench`. Each
+    result is kept in eval-partial.json as it comes: an interrupted stage measures only the
+    rest when it runs again."""
     settings, tasks = run.task_settings(), run_tasks()
     runs = {task.name: task.run_options(settings) for task in tasks}
-    results: dict[str, dict[str, Any]] = {key: {} for task in tasks for key in runs[task.name]}
+    made_by = {stage: run.layout.record(stage) for stage in MODEL_STAGES}
+    done = evaluations_done(run, made_by)
+    results: dict[str, dict[str, Any]] = {key: dict(done.get(key, {})) for task in tasks for key in runs[task.name]}
     run.let_go()  # the models held since training: evaluated as saved, from their folders
     window = None
     for name in (*MODELS, BASELINE):
         work = [(task, key, options) for task in tasks for key, options in runs[task.name].items()
-                if name in task.models_for(key)]
+                if name in task.models_for(key) and name not in results[key]]
+        if not work:
+            continue
         if name == "original":
             model = run.original
         elif name == BASELINE:
@@ -421,10 +440,14 @@ def evaluate(run: Run) -> dict:
             model = run.model(name)
         for task, key, options in work:
             results[key][name] = task.measure(model.eval(), run.tokenizer, options, original=run.original)
+            require_finite(results[key][name], "evaluation")  # never a NaN written as a result
+            write_json_atomic(run.layout.evaluation_checkpoint, {"made_by": made_by, "results": results})
         del model
         release_freed_memory()
-    require_finite(results, "evaluation")  # never a NaN written as a result
+    if window is None:  # the baseline was measured before an interruption
+        window = equal_cache_window(run.original, run.model("final"))
     write_json_atomic(run.layout.evaluation, results)
+    run.layout.evaluation_checkpoint.unlink(missing_ok=True)
     return {"evaluations": list(results), "baseline_window": window}
 
 

@@ -1,0 +1,61 @@
+"""The streams of the fixed-budget comparison (docs/results/streaming.md) as token ids, for
+kvpress's own `DecodingPress` (`benchmarks/peers/kvpress_eval.py --stream`, another virtual
+environment that cannot import recurformer): the cross-check of our decoding-time presses.
+
+Each stream is our `stream` task's (`tasks/stream.py`, the options of
+`benchmarks/long_context/streaming.py`'s rows): its `ids`, and its checks as `units`, each
+with the positions whose next-token predictions score it (`evaluate.stream.scored_positions`:
+a check is right when every one of them predicts the stream's next id). `kept` gives, at each
+budget, the tokens a head keeps after an eviction in our rows of the original (the budget less
+one chunk, `evaluate.stream.tokens_kept`), so that kvpress's `target_size` holds the same bytes.
+
+    python -m benchmarks.peers.stream_problems --streams 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from dataclasses import asdict, replace
+
+from recurformer.evaluate.stream import StreamOptions, make_streams, scored_positions, tokens_kept
+from recurformer.eviction import as_hybrid
+from recurformer.files import write_json_atomic
+from recurformer.loading import load_model
+
+from benchmarks.common import HELD_OUT, ROOT
+
+SCHEMA = "recurformer-stream-problems/1"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "runs" / "stream-problems.json"))
+    parser.add_argument("--model", default="smollm2-135m", help="the original: its tokenizer and cache size")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=3072)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--kinds", default="set,count")
+    parser.add_argument("--budgets", default="0.5,0.25")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    model, tokenizer, _ = load_model(args.model, progress=False)
+    options = StreamOptions(data=[str(HELD_OUT)], tokens=args.tokens, streams=args.streams, chunk=args.chunk,
+                            kinds=args.kinds, seed=args.seed)
+    hybrid = as_hybrid(model)
+    kept = {budget: tokens_kept(hybrid, replace(options, press="streaming", budget=float(budget)))
+            for budget in args.budgets.split(",")}
+    streams = [{"ids": list(stream.ids),
+                "units": [{"kind": unit.kind, "distance": unit.distance,
+                           "positions": list(scored_positions(tokenizer, unit))} for unit in stream.units]}
+               for stream in make_streams(tokenizer, options)]
+    problems = {"schema": SCHEMA, "options": {**asdict(options), "data": [HELD_OUT.name]}, "chunk": args.chunk,
+                "kept": kept, "streams": streams}
+    problems["digest"] = hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()[:16]
+    write_json_atomic(args.out, problems)
+    print(f"wrote {args.out}: {len(streams)} streams, {sum(len(s['units']) for s in streams)} checks, kept {kept}")
+
+
+if __name__ == "__main__":
+    main()
