@@ -3,7 +3,7 @@ they test, the budget holds at every point of a stream, and bad options are one 
 
 import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -262,3 +262,27 @@ def test_the_streaming_benchmark_keeps_each_stream_and_measures_only_the_missing
         assert grown == fresh and len(fed) == 6
         streaming.measure("original", model, tokenizer, replace(options, chunk=64, streams=1), tmp_path, "runs/x/final")
         assert len(fed) == 7  # another chunk: measured again
+
+
+def test_the_streaming_benchmark_pairs_kvpress_rows_with_ours_on_the_same_streams(tmp_path, text):
+    """kvpress's DecodingPress rows are compared with our row of the same press and budget on the
+    streams both read, paired by stream; rows made on other streams are left out."""
+    with benchmark_script("long_context.streaming") as streaming:
+        options = StreamOptions(data=text, tokens=1024, streams=3, chunk=32)
+        ours = {"streaming@0.5": {"per_stream": [[100.0, 0.0], [100.0], [0.0, 0.0, 100.0]]}}
+        units = [[1, 0], [0], [0, 1, 1]]  # kvpress: right, wrong; wrong; wrong, right, right
+        row = {"label": "kvpress DecodingPress(StreamingLLM), target_size 448",
+               "streams": {str(i): {"units": [{"correct": bool(c)} for c in u], "peak_tokens": 480}
+                           for i, u in enumerate(units)}}
+        saved = {"options": {**asdict(options), "data": ["x.txt"]}, "rows": {"streaming-llm@0.5": row}}
+        path = tmp_path / "stream-kvpress.json"
+        path.write_text(json.dumps(saved))
+        [check] = streaming.kvpress_check(path, ours, options)
+        assert check["ours"] == "streaming@0.5" and check["streams"] == 3 and check["peak_tokens"] == 480
+        # each stream weighed alike, as the headline: kvpress (50 + 0 + 66.7) / 3, ours (50 + 100 + 33.3) / 3
+        assert check["kvpress_accuracy"] == pytest.approx(350 / 9) and check["ours_accuracy"] == pytest.approx(550 / 9)
+        assert check["difference"] == pytest.approx(-200 / 9)
+        assert check["low"] <= check["difference"] <= check["high"]
+        path.write_text(json.dumps({**saved, "options": {**saved["options"], "chunk": 64}}))
+        assert streaming.kvpress_check(path, ours, options) == []
+        assert streaming.kvpress_check(tmp_path / "missing.json", ours, options) == []

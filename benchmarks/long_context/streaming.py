@@ -105,6 +105,11 @@ def comparisons(rows: dict, budgets: list[float]) -> list[dict]:
 KVPRESS_NAMES = {"streaming-llm": "streaming"}  # kvpress's press names that are not ours
 
 
+def _stream_mean(per_stream: list[list[float]]) -> float:
+    """The headline's mean: each stream's accuracy, the streams weighed alike."""
+    return sum(sum(s) / len(s) for s in per_stream) / len(per_stream)
+
+
 def kvpress_check(path: Path, rows: dict, options: StreamOptions) -> list[dict]:
     """kvpress's own `DecodingPress` around each press (`benchmarks/peers/kvpress_eval.py --stream`,
     on the streams of `benchmarks/peers/stream_problems.py`) against our row of the same press and
@@ -125,14 +130,13 @@ def kvpress_check(path: Path, rows: dict, options: StreamOptions) -> list[dict]:
         if ours_name not in rows:
             continue
         streams = [row["streams"][str(i)]["units"] for i in range(len(row["streams"]))]
-        theirs_per_stream = [[100.0 * u["correct"] for u in units] for units in streams]
+        theirs_per_stream = [[100.0 * u["correct"] for u in units] for units in streams if units]  # as per_stream
         ours_per_stream = rows[ours_name]["per_stream"][:len(streams)]
         if [len(s) for s in theirs_per_stream] != [len(s) for s in ours_per_stream]:
             raise SystemExit(f"streaming: {path.name}'s {name} scored other checks than our {ours_name}")
         difference, low, high = paired_interval([theirs_per_stream], [ours_per_stream])
         out.append({"kvpress": name, "label": row["label"], "ours": ours_name, "streams": len(streams),
-                    "kvpress_accuracy": sum(map(sum, theirs_per_stream)) / sum(map(len, theirs_per_stream)),
-                    "ours_accuracy": sum(map(sum, ours_per_stream)) / sum(map(len, ours_per_stream)),
+                    "kvpress_accuracy": _stream_mean(theirs_per_stream), "ours_accuracy": _stream_mean(ours_per_stream),
                     "difference": difference, "low": low, "high": high,
                     "peak_tokens": max(s["peak_tokens"] for s in row["streams"].values())})
     return out

@@ -288,14 +288,22 @@ def stream_units(model, press, stream: dict, chunk: int) -> tuple[list[dict], in
     the checks and the most tokens a layer's cache held during a forward."""
     ids, cache, peak = stream["ids"], DynamicCache(), 0
     wanted, argmax = {p for unit in stream["units"] for p in unit["positions"]}, {}
+
+    def feed(start: int) -> None:
+        nonlocal peak
+        piece = ids[start:start + chunk]
+        peak = max(peak, cache.get_seq_length() + len(piece))
+        # positions are the stream's; the mask follows the cache's own (shorter) length
+        logits = model(input_ids=torch.tensor([piece]), past_key_values=cache,
+                       position_ids=torch.arange(start, start + len(piece))[None]).logits[0]
+        argmax.update({p: int(logits[p - start].argmax()) for p in range(start, start + len(piece)) if p in wanted})
+
+    whole = len(ids) // chunk * chunk
     with press(model):
-        for start in range(0, len(ids), chunk):
-            piece = ids[start:start + chunk]
-            peak = max(peak, cache.get_seq_length() + len(piece))
-            # positions are the stream's; the mask follows the cache's own (shorter) length
-            logits = model(input_ids=torch.tensor([piece]), past_key_values=cache,
-                           position_ids=torch.arange(start, start + len(piece))[None]).logits[0]
-            argmax |= {p: int(logits[p - start].argmax()) for p in range(start, start + len(piece)) if p in wanted}
+        for start in range(0, whole, chunk):
+            feed(start)
+    if whole < len(ids):  # the last, shorter chunk: nothing is scored after it, so it is fed without the press
+        feed(whole)       # (SnapKV's window asks for more tokens than it holds)
     units = [{"kind": unit["kind"], "distance": unit["distance"],
               "correct": all(argmax[p] == ids[p + 1] for p in unit["positions"])} for unit in stream["units"]]
     return units, peak
@@ -304,7 +312,9 @@ def stream_units(model, press, stream: dict, chunk: int) -> tuple[list[dict], in
 def measure_stream(model, args) -> None:
     """Every press at every budget of the stream problem set, as kvpress's `DecodingPress`
     around it: compressing after every forward (`compression_interval=1`) to `target_size`, the
-    tokens our rows of the original keep at that budget; streams already in `--out` are kept."""
+    tokens our rows of the original keep at that budget (SnapKV's window one token short of a
+    chunk: its buffer holds the last chunk and it asks for more than its window); streams
+    already in `--out` are kept."""
     problems = read_json(Path(args.stream), "problem set")
     out, chunk = Path(args.out), problems["chunk"]
     for budget in (name for name in args.budgets.split(",") if name):
@@ -322,7 +332,10 @@ def measure_stream(model, args) -> None:
             print(f"{row_name}: {len(todo)} streams to feed", flush=True)
             for index in todo:
                 start = time.time()
-                press = DecodingPress(base_press=press_class(), compression_interval=1, target_size=keep)
+                base = press_class()
+                if hasattr(base, "window_size"):  # SnapKV asks its buffer for more than its window: one chunk
+                    base.window_size = min(base.window_size, chunk - 1)
+                press = DecodingPress(base_press=base, compression_interval=1, target_size=keep)
                 units, peak = stream_units(model, press, problems["streams"][index], chunk)
                 row["streams"][str(index)] = {"units": units, "peak_tokens": peak}
                 row["seconds"] += time.time() - start
