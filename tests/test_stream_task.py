@@ -4,6 +4,7 @@ they test, the budget holds at every point of a stream, and bad options are one 
 import json
 import re
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,8 +239,11 @@ def test_the_streaming_benchmark_compares_the_capped_conversion_paired_by_stream
 
         rows = {"original": row, "tova@0.5": shifted(-20), "snapkv@0.5": shifted(-10), "window+snapkv@0.5": shifted(-5),
                 "conversion+snapkv@0.5": shifted(-2)}
-        found = {(c["against"]): (c["difference"], c["low"], c["high"]) for c in streaming.comparisons(rows, [0.5])}
+        compared = streaming.comparisons(rows, [0.5])
+        found = {(c["against"]): (c["difference"], c["low"], c["high"]) for c in compared}
+        assert [c["against"] for c in compared][:2] == ["snapkv@0.5", "tova@0.5"]  # every press, the best first
         assert found["snapkv@0.5"] == pytest.approx((8.0, 8.0, 8.0))
+        assert found["tova@0.5"] == pytest.approx((18.0, 18.0, 18.0))
         assert found["window+snapkv@0.5"] == pytest.approx((3.0, 3.0, 3.0))
         assert found["original"] == pytest.approx((-2.0, -2.0, -2.0))
 
@@ -266,23 +270,27 @@ def test_the_streaming_benchmark_keeps_each_stream_and_measures_only_the_missing
 
 def test_the_streaming_benchmark_pairs_kvpress_rows_with_ours_on_the_same_streams(tmp_path, text):
     """kvpress's DecodingPress rows are compared with our row of the same press and budget on the
-    streams both read, paired by stream; rows made on other streams are left out."""
+    streams both read, paired by stream; a row of ours made on other streams is not used."""
     with benchmark_script("long_context.streaming") as streaming:
-        options = StreamOptions(data=text, tokens=1024, streams=3, chunk=32)
-        ours = {"streaming@0.5": {"per_stream": [[100.0, 0.0], [100.0], [0.0, 0.0, 100.0]]}}
+        options = StreamOptions(data=text, tokens=1024, streams=3, chunk=32, press="streaming", budget=0.5)
+        correct = [[1, 0], [1], [0, 0, 1]]  # ours, stream by stream
+        records = {str(i): {"units": [{"correct": bool(c)} for c in u]} for i, u in enumerate(correct)}
+        (tmp_path / "streaming@0.5.json").write_text(json.dumps({"options": {**asdict(options), "streams": None},
+                                                                 "records": records}))
         units = [[1, 0], [0], [0, 1, 1]]  # kvpress: right, wrong; wrong; wrong, right, right
         row = {"label": "kvpress DecodingPress(StreamingLLM), target_size 448",
                "streams": {str(i): {"units": [{"correct": bool(c)} for c in u], "peak_tokens": 480}
                            for i, u in enumerate(units)}}
         saved = {"options": {**asdict(options), "data": ["x.txt"]}, "rows": {"streaming-llm@0.5": row}}
+        saved["options"]["data"] = [Path(text[0]).name]
         path = tmp_path / "stream-kvpress.json"
         path.write_text(json.dumps(saved))
-        [check] = streaming.kvpress_check(path, ours, options)
+        [check] = streaming.kvpress_check(path, tmp_path)
         assert check["ours"] == "streaming@0.5" and check["streams"] == 3 and check["peak_tokens"] == 480
         # each stream weighed alike, as the headline: kvpress (50 + 0 + 66.7) / 3, ours (50 + 100 + 33.3) / 3
         assert check["kvpress_accuracy"] == pytest.approx(350 / 9) and check["ours_accuracy"] == pytest.approx(550 / 9)
         assert check["difference"] == pytest.approx(-200 / 9)
         assert check["low"] <= check["difference"] <= check["high"]
-        path.write_text(json.dumps({**saved, "options": {**saved["options"], "chunk": 64}}))
-        assert streaming.kvpress_check(path, ours, options) == []
-        assert streaming.kvpress_check(tmp_path / "missing.json", ours, options) == []
+        path.write_text(json.dumps({**saved, "options": {**saved["options"], "dials": options.dials + 1}}))
+        assert streaming.kvpress_check(path, tmp_path) == []  # other streams: our row is not theirs
+        assert streaming.kvpress_check(tmp_path / "missing.json", tmp_path) == []

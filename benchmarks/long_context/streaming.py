@@ -22,6 +22,10 @@ Intervals (90%) resample streams, paired between rows (`recurformer.evaluate.boo
 Each row's streams are kept in `runs/streaming-rows/` (one JSON a row) as they are measured: a
 rerun, or one with more `--streams`, measures only the streams missing.
 
+With `--kvpress FILE` (default: `docs/results/long-context/stream-kvpress.json`, if there) the
+page adds a cross-check: kvpress's own `DecodingPress` rows (`benchmarks/peers/README.md`)
+against our rows of the same press on the same streams, found in `--kvpress-rows`.
+
     python -m benchmarks.long_context.streaming --converted runs/demo/final --streams 40
 """
 
@@ -41,7 +45,7 @@ from recurformer.evaluate.stream import StreamOptions, evaluate, parse_kinds, pe
 from recurformer.eviction import PRESSES
 from recurformer.files import atomic_file, write_json_atomic, write_text_atomic
 from recurformer.loading import load_converted, load_teacher
-from recurformer.tasks.stream import bin_names
+from recurformer.tasks.stream import DIALS, bin_names
 
 from benchmarks.common import HELD_OUT, RESULTS, ROOT
 
@@ -87,15 +91,15 @@ def check_kinds(original: dict, kinds: tuple[str, ...]) -> None:
 
 
 def comparisons(rows: dict, budgets: list[float]) -> list[dict]:
-    """The paired differences the doc states: at each budget, the conversion against the best
-    press, the window and the full original."""
+    """The paired differences the doc states: at each budget, the conversion against every
+    press (the best first), the window and the full original."""
     out = []
     for budget in budgets:
-        presses = [f"{p}@{budget}" for p in PRESSES if f"{p}@{budget}" in rows]
-        best = max(presses, key=lambda name: rows[name]["headline"])
+        presses = sorted((f"{p}@{budget}" for p in PRESSES if f"{p}@{budget}" in rows),
+                         key=lambda name: -rows[name]["headline"])
         conversion = next(name for name in rows if name.startswith("conversion+") and name.endswith(f"@{budget}"))
         window = next(name for name in rows if name.startswith("window+") and name.endswith(f"@{budget}"))
-        for other in (best, window, "original"):
+        for other in (*presses, window, "original"):
             difference, low, high = paired_interval([rows[conversion]["per_stream"]], [rows[other]["per_stream"]])
             out.append({"budget": budget, "row": conversion, "against": other, "difference": difference,
                         "low": low, "high": high})
@@ -110,35 +114,53 @@ def _stream_mean(per_stream: list[list[float]]) -> float:
     return sum(sum(s) / len(s) for s in per_stream) / len(per_stream)
 
 
-def kvpress_check(path: Path, rows: dict, options: StreamOptions) -> list[dict]:
+STREAM_FIELDS = ("tokens", "chunk", "kinds", "dials", "gap", "free_tokens", "seed")  # what makes the streams
+
+
+def stream_identity(options: dict) -> dict:
+    """What decides a row's streams (but their count): the options above and the text's file names."""
+    return {**{k: options[k] for k in STREAM_FIELDS}, "data": [Path(p).name for p in options["data"]]}
+
+
+def row_per_stream(path: Path, streams: dict) -> list[list[float]] | None:
+    """Our row's answers stream by stream from its file in a rows folder, if it was measured on the
+    streams `streams` (`stream_identity`) describe; None otherwise."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if stream_identity(saved["options"]) != streams:
+        return None
+    if "records" not in saved:  # written before the streams were kept one by one: the row's result
+        return saved["per_stream"]
+    records = saved["records"]
+    return per_stream([records[str(i)] for i in range(len(records)) if str(i) in records])
+
+
+def kvpress_check(path: Path, rows: Path) -> list[dict]:
     """kvpress's own `DecodingPress` around each press (`benchmarks/peers/kvpress_eval.py --stream`,
     on the streams of `benchmarks/peers/stream_problems.py`) against our row of the same press and
-    budget on the same streams, paired by stream; none if `path` is missing or was made on other
-    streams than our rows'."""
+    budget in the rows folder `rows`, on the streams both read, paired by stream; none if `path`
+    is missing, a row without ours on the same streams left out."""
     if not path.is_file():
         return []
-    data = json.loads(path.read_text())
-    theirs = {k: v for k, v in data.get("options", {}).items() if k not in ("streams", "press", "budget", "data")}
-    ours = {k: v for k, v in asdict(options).items() if k in theirs}
-    if theirs != ours:
-        print(f"streaming: {path.name} was made on other streams ({theirs}, ours {ours}); left out", file=sys.stderr)
-        return []
-    out = []
+    data, out = json.loads(path.read_text()), []
     for name, row in data["rows"].items():
         press, budget = name.split("@")
         ours_name = f"{KVPRESS_NAMES.get(press, press)}@{float(budget)}"
-        if ours_name not in rows:
-            continue
+        ours_per_stream = row_per_stream(rows / f"{ours_name}.json", stream_identity(data["options"]))
         streams = [row["streams"][str(i)]["units"] for i in range(len(row["streams"]))]
+        if ours_per_stream is None or len(ours_per_stream) < len(streams):
+            print(f"streaming: no row {ours_name} in {rows} on {path.name}'s streams; {name} left out", file=sys.stderr)
+            continue
         theirs_per_stream = [[100.0 * u["correct"] for u in units] for units in streams if units]  # as per_stream
-        ours_per_stream = rows[ours_name]["per_stream"][:len(streams)]
+        ours_per_stream = ours_per_stream[:len(theirs_per_stream)]
         if [len(s) for s in theirs_per_stream] != [len(s) for s in ours_per_stream]:
             raise SystemExit(f"streaming: {path.name}'s {name} scored other checks than our {ours_name}")
         difference, low, high = paired_interval([theirs_per_stream], [ours_per_stream])
         out.append({"kvpress": name, "label": row["label"], "ours": ours_name, "streams": len(streams),
-                    "kvpress_accuracy": _stream_mean(theirs_per_stream), "ours_accuracy": _stream_mean(ours_per_stream),
-                    "difference": difference, "low": low, "high": high,
-                    "peak_tokens": max(s["peak_tokens"] for s in row["streams"].values())})
+                    "dials": data["options"]["dials"], "kvpress_accuracy": _stream_mean(theirs_per_stream),
+                    "ours_accuracy": _stream_mean(ours_per_stream), "difference": difference, "low": low,
+                    "high": high, "peak_tokens": max(s["peak_tokens"] for s in row["streams"].values())})
     return out
 
 
@@ -160,7 +182,7 @@ def markdown(data: dict) -> str:
              f"`{setup['converted']}`, its kept heads capped the same way) and `conversion` (uncapped, at its own "
              "bytes).", "",
              f"Streams of {setup['tokens']:,} tokens (held-out text, {setup['streams']} streams, seed "
-             f"{setup['seed']}, log events {setup['kinds']}), fed {setup['chunk']} tokens at a time; every capped row "
+             f"{setup['seed']}, log events {setup['kinds']}, {setup['dials']} dial(s)), fed {setup['chunk']} tokens at a time; every capped row "
              "holds at most its budget at every point. Accuracy: teacher-forced answers right (0-100), 90% interval "
              "over streams. Free: the last check completed greedily, exact match.", "",
              "| row | peak bytes / original's | accuracy | " + " | ".join(setup["kinds"].split(",")) +
@@ -185,9 +207,11 @@ def markdown(data: dict) -> str:
         lines.append(f"| {c['budget']:g} | {c['row']} | {c['against']} | {c['difference']:+.1f} | "
                      f"[{c['low']:+.1f}, {c['high']:+.1f}] |")
     if data.get("kvpress"):
+        c = data["kvpress"][0]
         lines += ["", "Cross-check: kvpress's own `DecodingPress` around each press (compressing after every forward "
-                  "to the tokens our row keeps; `benchmarks/peers/kvpress_eval.py --stream`), on the first streams "
-                  "of our rows; answers right, and kvpress minus ours with its 90% interval paired by stream:", "",
+                  "to the tokens our row keeps; `benchmarks/peers/kvpress_eval.py --stream`), on the first "
+                  f"{c['streams']} streams with {c['dials']} dials, against our row of the same press on them; answers "
+                  "right, and kvpress minus ours with its 90% interval paired by stream:", "",
                   "| kvpress | streams | most tokens held | kvpress | ours | difference | interval |",
                   "|---|---|---|---|---|---|---|"]
         for c in data["kvpress"]:
@@ -238,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "streaming"), help="writes OUT.json, OUT.md and OUT.png")
     parser.add_argument("--kvpress", default=str(RESULTS / "long-context" / "stream-kvpress.json"),
                         help="kvpress's DecodingPress rows to cross-check ours with, if the file is there")
+    parser.add_argument("--kvpress-rows", help="where our rows on kvpress's streams are (default: --rows)")
+    parser.add_argument("--dials", type=int, default=DIALS, help="dials in each stream")
     args = parser.parse_args(argv)
     try:
         kinds = parse_kinds(args.kinds)
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def options(press: str = "none", budget: float | None = None) -> StreamOptions:
             return StreamOptions(data=[str(HELD_OUT)], tokens=args.tokens, streams=args.streams, chunk=args.chunk,
-                                 kinds=",".join(kinds), press=press, budget=budget, seed=args.seed)
+                                 kinds=",".join(kinds), press=press, budget=budget, dials=args.dials, seed=args.seed)
 
         rows = {"original": measure("original", original, tokenizer, options(), rows_dir, identity)}
         check_kinds(rows["original"], kinds)
@@ -268,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     data = {"schema": SCHEMA, "setup": {"converted": Path(args.converted).name, "streams": args.streams,
                                         "tokens": args.tokens, "chunk": args.chunk, "kinds": ",".join(kinds),
-                                        "budgets": budgets, "presses": presses, "seed": args.seed, "window": size},
+                                        "budgets": budgets, "presses": presses, "seed": args.seed, "window": size,
+                                        "dials": args.dials},
             "rows": {name: portable(row) for name, row in rows.items()},
-            "comparisons": comparisons(rows, budgets), "kvpress": kvpress_check(Path(args.kvpress), rows, options())}
+            "comparisons": comparisons(rows, budgets),
+            "kvpress": kvpress_check(Path(args.kvpress), Path(args.kvpress_rows or args.rows))}
     out = Path(args.out)
     write_json_atomic(out.with_suffix(".json"), data)
     write_text_atomic(out.with_suffix(".md"), markdown(data))

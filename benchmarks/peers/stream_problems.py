@@ -23,6 +23,7 @@ from recurformer.evaluate.stream import StreamOptions, make_streams, scored_posi
 from recurformer.eviction import as_hybrid
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
+from recurformer.tasks.stream import DIALS
 
 from benchmarks.common import HELD_OUT, ROOT
 
@@ -38,11 +39,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--kinds", default="set,count")
     parser.add_argument("--budgets", default="0.5,0.25")
+    parser.add_argument("--dials", type=int, default=DIALS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model, tokenizer, _ = load_model(args.model, progress=False)
     options = StreamOptions(data=[str(HELD_OUT)], tokens=args.tokens, streams=args.streams, chunk=args.chunk,
-                            kinds=args.kinds, seed=args.seed)
+                            kinds=args.kinds, dials=args.dials, seed=args.seed)
     hybrid = as_hybrid(model)
     kept = {budget: tokens_kept(hybrid, replace(options, press="streaming", budget=float(budget)))
             for budget in args.budgets.split(",")}
