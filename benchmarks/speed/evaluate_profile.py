@@ -21,32 +21,21 @@ import time
 
 import torch
 
-from recurformer.equal_cache import equal_cache_window, window_baseline
 from recurformer.evaluate import lookup_task
 from recurformer.evaluate.agreement import drop_reference_states
 from recurformer.files import write_json_atomic, write_text_atomic
 from recurformer.memory import release_freed_memory
 from recurformer.run.config import RunConfig
-from recurformer.run.stages import BASELINE, MODELS, Run, run_tasks
+from recurformer.run.stages import BASELINE, MODELS, Run, evaluated_model, run_tasks
 
 from benchmarks.common import RESULTS
-
-
-def stage_model(run: Run, name: str):
-    """The model `name` as the evaluate stage builds it."""
-    if name == "original":
-        return run.original
-    if name == BASELINE:
-        final = run.model("final")
-        return window_baseline(run.original, final, equal_cache_window(run.original, final))[0]
-    return run.model(name)
 
 
 def profile_stage(run: Run) -> list[dict]:
     """Seconds of each (evaluation, model) of the stage, in its order."""
     settings, rows = run.task_settings(), []
     for name in (*MODELS, BASELINE):
-        model = stage_model(run, name).eval()
+        model = evaluated_model(run, name).eval()
         for task in run_tasks():
             for key, options in task.run_options(settings).items():
                 if name in task.models_for(key):
@@ -64,7 +53,7 @@ def agreement_reuse(run: Run, repeats: int) -> dict:
     them against dropped before each, `repeats` times each, alternating."""
     task = lookup_task("agreement")[0]
     options = task.run_options(run.task_settings())["agreement"]
-    models = {name: stage_model(run, name).eval() for name in ("final", BASELINE)}
+    models = {name: evaluated_model(run, name).eval() for name in ("final", BASELINE)}
     seconds, results = {"kept": [], "dropped": []}, {}
     for _ in range(repeats):
         for mode in ("dropped", "kept"):

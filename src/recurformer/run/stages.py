@@ -412,6 +412,17 @@ def evaluations_done(run: Run, made_by: dict) -> dict[str, dict[str, Any]]:
     return saved.get("results", {}) if saved.get("made_by") == made_by else {}
 
 
+def evaluated_model(run: Run, name: str):
+    """The model `name` (one of `MODELS`, or `BASELINE`) as the evaluate stage measures it:
+    the original, a converted model from its folder, or the training-free window on the final
+    model's groups at its cache bytes (`equal_cache.window_baseline`)."""
+    if name == "original":
+        return run.original
+    if name == BASELINE:
+        return window_baseline(run.original, run.model("final"))[0]
+    return run.model(name)
+
+
 def evaluate(run: Run) -> dict:
     """Every evaluation of every task `run` uses, on each of the task's models; eval.json is
     `{evaluation: {model: result}}` (an evaluation is a task with options, `Task.run_options`).
@@ -431,13 +442,9 @@ def evaluate(run: Run) -> dict:
                 if name in task.models_for(key) and name not in results[key]]
         if not work:
             continue
-        if name == "original":
-            model = run.original
-        elif name == BASELINE:
-            window = equal_cache_window(run.original, run.model("final"))
-            model = window_baseline(run.original, run.model("final"), window)[0]
-        else:
-            model = run.model(name)
+        model = evaluated_model(run, name)
+        if name == BASELINE:
+            window = MixerConfig.from_dict(model.config.mixer).window
         for task, key, options in work:
             results[key][name] = task.measure(model.eval(), run.tokenizer, options, original=run.original)
             require_finite(results[key][name], "evaluation")  # never a NaN written as a result
