@@ -12,7 +12,7 @@ import os
 import random
 from pathlib import Path
 
-from recurformer.config import ReplacementSpec
+from recurformer.config import ConfigError, ReplacementSpec
 from recurformer.data import DATA_ENV, EVAL_CORPORA, OUT_OF_DOMAIN_CORPORA, TRAIN_CORPORA
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,3 +31,12 @@ def random_spec(config, beta: float, seed: int = 0) -> ReplacementSpec:
     random.Random(seed).shuffle(groups)
     return ReplacementSpec(config.num_hidden_layers, config.num_key_value_heads,
                            groups[: math.floor(beta * len(groups) + 0.5)])
+
+
+def budget_fractions(text: str) -> list[float]:
+    """`--budgets` ("0.5,0.25"): fractions of the original's cache, a one-line error otherwise
+    (each is checked to lie in (0, 1] where it is used)."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--budgets: {text!r} is not a comma-separated list of fractions of the original's cache") from None

@@ -294,3 +294,13 @@ def test_the_streaming_benchmark_pairs_kvpress_rows_with_ours_on_the_same_stream
         path.write_text(json.dumps({**saved, "options": {**saved["options"], "dials": options.dials + 1}}))
         assert streaming.kvpress_check(path, tmp_path) == []  # other streams: our row is not theirs
         assert streaming.kvpress_check(tmp_path / "missing.json", tmp_path) == []
+
+
+@pytest.mark.parametrize("budgets, message", [("0.5,x", "--budgets: '0.5,x' is not a comma-separated list of fractions"),
+                                              ("2", "--budget must be a fraction in (0, 1], got 2.0")])
+def test_the_streaming_benchmark_refuses_a_bad_budget_before_any_work(tmp_path, capsys, budgets, message):
+    with benchmark_script("long_context.streaming") as streaming:
+        code = streaming.main(["--converted", str(tmp_path / "nowhere"), "--budgets", budgets,
+                               "--rows", str(tmp_path / "rows"), "--out", str(tmp_path / "out")])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no model read, no row written

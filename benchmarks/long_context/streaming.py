@@ -47,7 +47,7 @@ from recurformer.files import atomic_file, write_json_atomic, write_text_atomic
 from recurformer.loading import load_converted, load_teacher
 from recurformer.tasks.stream import DIALS, bin_names
 
-from benchmarks.common import HELD_OUT, RESULTS, ROOT
+from benchmarks.common import HELD_OUT, RESULTS, ROOT, budget_fractions
 
 SCHEMA = "recurformer-streaming/1"
 ROWS = ROOT / "runs" / "streaming-rows"
@@ -267,16 +267,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         kinds = parse_kinds(args.kinds)
-        budgets = [float(b) for b in args.budgets.split(",")]
+        budgets = budget_fractions(args.budgets)
         presses = list(parse_choices(args.presses, "--presses", PRESSES))
-        converted, tokenizer = load_converted(args.converted)
-        original = load_teacher(converted)
-        rows_dir, identity = Path(args.rows), str(Path(args.converted).resolve())
 
         def options(press: str = "none", budget: float | None = None) -> StreamOptions:
             return StreamOptions(data=[str(HELD_OUT)], tokens=args.tokens, streams=args.streams, chunk=args.chunk,
                                  kinds=",".join(kinds), press=press, budget=budget, dials=args.dials, seed=args.seed)
 
+        for budget in budgets:  # every row's options checked before the first row's minutes
+            options(presses[0], budget)
+        converted, tokenizer = load_converted(args.converted)
+        original = load_teacher(converted)
+        rows_dir, identity = Path(args.rows), str(Path(args.converted).resolve())
         rows = {"original": measure("original", original, tokenizer, options(), rows_dir, identity)}
         check_kinds(rows["original"], kinds)
         rows["conversion"] = measure("conversion", converted, tokenizer, options(), rows_dir, identity)

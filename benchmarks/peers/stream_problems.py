@@ -19,13 +19,14 @@ import hashlib
 import json
 from dataclasses import asdict, replace
 
-from recurformer.evaluate.stream import StreamOptions, make_streams, scored_positions, tokens_kept
+from recurformer.evaluate.stream import StreamOptions, check, make_streams, scored_positions, tokens_kept
+from recurformer.errors import RecurformerError
 from recurformer.eviction import as_hybrid
 from recurformer.files import write_json_atomic
 from recurformer.loading import load_model
 from recurformer.tasks.stream import DIALS
 
-from benchmarks.common import HELD_OUT, ROOT
+from benchmarks.common import HELD_OUT, ROOT, budget_fractions
 
 SCHEMA = "recurformer-stream-problems/1"
 
@@ -42,16 +43,21 @@ def main() -> None:
     parser.add_argument("--dials", type=int, default=DIALS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    model, tokenizer, _ = load_model(args.model, progress=False)
-    options = StreamOptions(data=[str(HELD_OUT)], tokens=args.tokens, streams=args.streams, chunk=args.chunk,
-                            kinds=args.kinds, dials=args.dials, seed=args.seed)
-    hybrid = as_hybrid(model)
-    kept = {budget: tokens_kept(hybrid, replace(options, press="streaming", budget=float(budget)))
-            for budget in args.budgets.split(",")}
-    streams = [{"ids": list(stream.ids),
-                "units": [{"kind": unit.kind, "distance": unit.distance,
-                           "positions": list(scored_positions(tokenizer, unit))} for unit in stream.units]}
-               for stream in make_streams(tokenizer, options)]
+    try:
+        options = StreamOptions(data=[str(HELD_OUT)], tokens=args.tokens, streams=args.streams, chunk=args.chunk,
+                                kinds=args.kinds, dials=args.dials, seed=args.seed)
+        budgets = {budget: replace(options, press="streaming", budget=value)
+                   for budget, value in zip(args.budgets.split(","), budget_fractions(args.budgets))}
+        model, tokenizer, _ = load_model(args.model, progress=False)
+        check(options, model.config.get_text_config())  # the streams within the model's positions
+        hybrid = as_hybrid(model)
+        kept = {budget: tokens_kept(hybrid, budgeted) for budget, budgeted in budgets.items()}
+        streams = [{"ids": list(stream.ids),
+                    "units": [{"kind": unit.kind, "distance": unit.distance,
+                               "positions": list(scored_positions(tokenizer, unit))} for unit in stream.units]}
+                   for stream in make_streams(tokenizer, options)]
+    except RecurformerError as error:
+        raise SystemExit(f"stream_problems: {error}") from None
     problems = {"schema": SCHEMA, "options": {**asdict(options), "data": [HELD_OUT.name]}, "chunk": args.chunk,
                 "kept": kept, "streams": streams}
     problems["digest"] = hashlib.sha256(json.dumps(problems, sort_keys=True).encode()).hexdigest()[:16]
