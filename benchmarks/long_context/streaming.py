@@ -26,7 +26,7 @@ With `--kvpress FILE` (default: `docs/results/long-context/stream-kvpress.json`,
 page adds a cross-check: kvpress's own `DecodingPress` rows (`benchmarks/peers/README.md`)
 against our rows of the same press on the same streams, found in `--kvpress-rows`.
 
-    python -m benchmarks.long_context.streaming --converted runs/demo/final --streams 40
+    python -m benchmarks.long_context.streaming --converted runs/demo/final --streams 72
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from benchmarks.common import HELD_OUT, RESULTS, ROOT, budget_fractions
 SCHEMA = "recurformer-streaming/1"
 ROWS = ROOT / "runs" / "streaming-rows"
 KEEP_KIND = 60.0  # the original's full-cache accuracy a kind needs to count (issue 63)
+MIN_PLOTTED = 10  # answers a distance bin needs to be drawn (the table shows every bin)
 
 
 def measure(name: str, model, tokenizer, options: StreamOptions, rows: Path, converted: str) -> dict:
@@ -229,12 +230,15 @@ def plot(data: dict, path: Path) -> None:
 
     budgets = data["setup"]["budgets"]
     figure, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), sharey=True, squeeze=False)
-    bins = bin_names()
+    by_distance = data["rows"]["original"]["summary"]["by_distance"]  # every row scores the same checks
+    counts = {b: by_distance[b]["n"] for b in bin_names()}
+    bins = [b for b in bin_names() if counts[b] >= MIN_PLOTTED]
+    ticks = [f"{b}\n(n={counts[b]})" for b in bins]
     for axis, budget in zip(axes[0], budgets):
         for name, row in data["rows"].items():
             if name == "original" or name.endswith(f"@{budget}"):
                 cells = [row["summary"]["by_distance"][b] for b in bins]
-                axis.plot(bins, [c.get("accuracy") for c in cells], marker="o", label=name,
+                axis.plot(ticks, [c.get("accuracy") for c in cells], marker="o", label=name,
                           linewidth=2.5 if name.startswith("conversion") else 1.2)
         axis.set_title(f"budget {budget:g} of the original's cache at the end")
         axis.set_xlabel("tokens since the value last appeared")
@@ -249,7 +253,8 @@ def plot(data: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--converted", required=True, help="the trained conversion (a run's final/)")
-    parser.add_argument("--streams", type=int, default=40)
+    parser.add_argument("--streams", type=int, default=72,
+                        help="streams (72 make the conversion-minus-best-press intervals +/- 3 or less)")
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--kinds", default="set,count",
