@@ -285,15 +285,15 @@ def test_the_streaming_benchmark_pairs_kvpress_rows_with_ours_on_the_same_stream
         saved["options"]["data"] = [Path(text[0]).name]
         path = tmp_path / "stream-kvpress.json"
         path.write_text(json.dumps(saved))
-        [check] = streaming.kvpress_check(path, tmp_path)
+        [check] = streaming.kvpress_check(streaming.read_kvpress(path), path.name, tmp_path)
         assert check["ours"] == "streaming@0.5" and check["streams"] == 3 and check["peak_tokens"] == 480
         # each stream weighed alike, as the headline: kvpress (50 + 0 + 66.7) / 3, ours (50 + 100 + 33.3) / 3
         assert check["kvpress_accuracy"] == pytest.approx(350 / 9) and check["ours_accuracy"] == pytest.approx(550 / 9)
         assert check["difference"] == pytest.approx(-200 / 9)
         assert check["low"] <= check["difference"] <= check["high"]
         path.write_text(json.dumps({**saved, "options": {**saved["options"], "dials": options.dials + 1}}))
-        assert streaming.kvpress_check(path, tmp_path) == []  # other streams: our row is not theirs
-        assert streaming.kvpress_check(tmp_path / "missing.json", tmp_path) == []
+        assert streaming.kvpress_check(streaming.read_kvpress(path), path.name, tmp_path) == []  # other streams
+        assert streaming.read_kvpress(tmp_path / "missing.json") is None
 
 
 @pytest.mark.parametrize("budgets, message", [("0.5,x", "--budgets: '0.5,x' is not a comma-separated list of fractions"),
@@ -304,3 +304,14 @@ def test_the_streaming_benchmark_refuses_a_bad_budget_before_any_work(tmp_path, 
                                "--rows", str(tmp_path / "rows"), "--out", str(tmp_path / "out")])
     assert code == 2 and message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no model read, no row written
+
+
+def test_the_streaming_benchmark_refuses_a_damaged_kvpress_file_before_any_work(tmp_path, capsys):
+    damaged = tmp_path / "stream-kvpress.json"
+    damaged.write_text('{"rows": {"tova@0.5": ')
+    with benchmark_script("long_context.streaming") as streaming:
+        code = streaming.main(["--converted", str(tmp_path / "nowhere"), "--kvpress", str(damaged),
+                               "--rows", str(tmp_path / "rows"), "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert code == 2 and f"--kvpress {damaged}: truncated" in error and len(error.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stream-kvpress.json"]  # no model read, nothing written

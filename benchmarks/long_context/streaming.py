@@ -32,11 +32,11 @@ against our rows of the same press on the same streams, found in `--kvpress-rows
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from recurformer.checks import read_json_object
 from recurformer.config import parse_choices
 from recurformer.equal_cache import window_baseline
 from recurformer.errors import RecurformerError
@@ -62,7 +62,7 @@ def measure(name: str, model, tokenizer, options: StreamOptions, rows: Path, con
     path, identity = rows / f"{name}.json", {"options": {**asdict(options), "streams": None}, "converted": converted}
     kept: dict[str, dict] = {}
     if path.is_file():
-        saved = json.loads(path.read_text())
+        saved = read_json_object(path, "row file")
         if all(saved.get(key) == value for key, value in identity.items()):
             kept = saved.get("records", {})
 
@@ -128,7 +128,7 @@ def row_per_stream(path: Path, streams: dict) -> list[list[float]] | None:
     streams `streams` (`stream_identity`) describe; None otherwise."""
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text())
+    saved = read_json_object(path, "row file")
     if stream_identity(saved["options"]) != streams:
         return None
     if "records" not in saved:  # written before the streams were kept one by one: the row's result
@@ -137,26 +137,30 @@ def row_per_stream(path: Path, streams: dict) -> list[list[float]] | None:
     return per_stream([records[str(i)] for i in range(len(records)) if str(i) in records])
 
 
-def kvpress_check(path: Path, rows: Path) -> list[dict]:
-    """kvpress's own `DecodingPress` around each press (`benchmarks/peers/kvpress_eval.py --stream`,
-    on the streams of `benchmarks/peers/stream_problems.py`) against our row of the same press and
-    budget in the rows folder `rows`, on the streams both read, paired by stream; none if `path`
-    is missing, a row without ours on the same streams left out."""
-    if not path.is_file():
-        return []
-    data, out = json.loads(path.read_text()), []
+def read_kvpress(path: Path) -> dict | None:
+    """kvpress's `DecodingPress` rows (`benchmarks/peers/kvpress_eval.py --stream`) at `path`; None
+    if there are none. Read before any row is measured: a damaged file is one line, not minutes later."""
+    return read_json_object(path, "--kvpress") if path.is_file() else None
+
+
+def kvpress_check(data: dict, source: str, rows: Path) -> list[dict]:
+    """kvpress's own `DecodingPress` around each press (`data`, read from the file `source` by
+    `read_kvpress`, on the streams of `benchmarks/peers/stream_problems.py`) against our row of the
+    same press and budget in the rows folder `rows`, on the streams both read, paired by stream; a
+    row without ours on the same streams left out."""
+    out = []
     for name, row in data["rows"].items():
         press, budget = name.split("@")
         ours_name = f"{KVPRESS_NAMES.get(press, press)}@{float(budget)}"
         ours_per_stream = row_per_stream(rows / f"{ours_name}.json", stream_identity(data["options"]))
         streams = [row["streams"][str(i)]["units"] for i in range(len(row["streams"]))]
         if ours_per_stream is None or len(ours_per_stream) < len(streams):
-            print(f"streaming: no row {ours_name} in {rows} on {path.name}'s streams; {name} left out", file=sys.stderr)
+            print(f"streaming: no row {ours_name} in {rows} on {source}'s streams; {name} left out", file=sys.stderr)
             continue
         theirs_per_stream = [[100.0 * u["correct"] for u in units] for units in streams if units]  # as per_stream
         ours_per_stream = ours_per_stream[:len(theirs_per_stream)]
         if [len(s) for s in theirs_per_stream] != [len(s) for s in ours_per_stream]:
-            raise SystemExit(f"streaming: {path.name}'s {name} scored other checks than our {ours_name}")
+            raise SystemExit(f"streaming: {source}'s {name} scored other checks than our {ours_name}")
         difference, low, high = paired_interval([theirs_per_stream], [ours_per_stream])
         out.append({"kvpress": name, "label": row["label"], "ours": ours_name, "streams": len(streams),
                     "dials": data["options"]["dials"], "kvpress_accuracy": _stream_mean(theirs_per_stream),
@@ -281,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for budget in budgets:  # every row's options checked before the first row's minutes
             options(presses[0], budget)
+        kvpress = read_kvpress(Path(args.kvpress))
         converted, tokenizer = load_converted(args.converted)
         original = load_teacher(converted)
         rows_dir, identity = Path(args.rows), str(Path(args.converted).resolve())
@@ -296,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             for prefix, model in (("conversion", converted), ("window", window)):
                 name = f"{prefix}+{best}@{budget}"
                 rows[name] = measure(name, model, tokenizer, options(best, budget), rows_dir, identity)
+        cross_check = kvpress_check(kvpress, Path(args.kvpress).name, Path(args.kvpress_rows or args.rows)) \
+            if kvpress else []
     except RecurformerError as error:
         print(f"streaming: {error}", file=sys.stderr)
         return 2
@@ -305,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "dials": args.dials},
             "rows": {name: portable(row) for name, row in rows.items()},
             "comparisons": comparisons(rows, budgets),
-            "kvpress": kvpress_check(Path(args.kvpress), Path(args.kvpress_rows or args.rows))}
+            "kvpress": cross_check}
     out = Path(args.out)
     write_json_atomic(out.with_suffix(".json"), data)
     write_text_atomic(out.with_suffix(".md"), markdown(data))

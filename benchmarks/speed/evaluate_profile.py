@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
     run = Run(RunConfig(), args.run)
-    missing = [name for name in MODELS[1:] if not run.layout.model(name).is_dir()]
+    missing = [name for name in MODELS if name != "original" and not run.layout.model(name).is_dir()]
     if missing:  # before the original's evaluations, which take minutes
         raise SystemExit(f"evaluate_profile: {args.run} is not a finished run: no {', '.join(missing)} model folder")
     record = {"run": args.run, "threads": torch.get_num_threads(), "stage": profile_stage(run),
