@@ -1,18 +1,29 @@
 // recurformer-logits: the engine's logits for a prompt of token ids, then greedy tokens, for the
 // parity tests (tests/test_engine.py). Built by engine/build.sh against the patched libllama.
 //
-//   recurformer-logits MODEL.gguf TOKENS.bin N_PREDICT OUT.bin [N_UBATCH] [N_THREADS] [FLASH_ATTN]
+//   recurformer-logits MODEL.gguf TOKENS.bin N_PREDICT OUT.bin [options]
+//     --ubatch N        tokens per ubatch (default 512): a window's ring buffer wraps across them
+//     --batch N         tokens per llama_decode call (default: the whole prompt in one call)
+//     --first-output P  ask for the logits of prompt positions P.. only (default 0: every position),
+//                       as llama-perplexity (the second half) and llama-server (the last) ask
+//     --cache-type T    the KV caches' type: f32 (default), f16, q8_0, q4_0
+//     --flash           flash attention (on the CPU it reads an f32 cache as f16)
+//     --swa-full        a sliding-window cache as large as the context (default: the window's own
+//                       size, as llama.cpp's tools make it, so that its ring wraps)
+//     --threads N       (default 2)
 //
-// TOKENS.bin: int32 token ids. OUT.bin: int32 n_prompt, int32 n_predict, int32 n_vocab, then the
-// float32 logits of every prompt position [n_prompt, n_vocab], then for each greedy step its
-// int32 token and the float32 logits that chose it ([n_vocab]). The KV cache is F32; the prompt
-// is decoded in ubatches of N_UBATCH tokens (default 512), so a window's ring buffer is exercised.
-// FLASH_ATTN (default 0): 1 takes flash attention, which reads the cache as F16 on the CPU.
+// TOKENS.bin: int32 token ids. OUT.bin: int32 n_prompt, int32 first_output, int32 n_predict,
+// int32 n_vocab, then the float32 logits of prompt positions first_output.. [n_prompt -
+// first_output, n_vocab], then for each greedy step its int32 token and the float32 logits that
+// chose it ([n_vocab]).
 
 #include "llama.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 static void quiet(ggml_log_level level, const char * text, void *) {
@@ -25,15 +36,54 @@ static bool write_all(FILE * f, const void * data, size_t size) {
     return fwrite(data, 1, size, f) == size;
 }
 
+static bool cache_type(const std::string & name, ggml_type & type) {
+    const std::pair<const char *, ggml_type> known[] = {
+        {"f32", GGML_TYPE_F32}, {"f16", GGML_TYPE_F16}, {"q8_0", GGML_TYPE_Q8_0}, {"q4_0", GGML_TYPE_Q4_0},
+    };
+    for (const auto & [n, t] : known) {
+        if (name == n) {
+            type = t;
+            return true;
+        }
+    }
+    return false;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s MODEL.gguf TOKENS.bin N_PREDICT OUT.bin [N_UBATCH] [N_THREADS] [FLASH_ATTN]\n", argv[0]);
+        fprintf(stderr, "usage: %s MODEL.gguf TOKENS.bin N_PREDICT OUT.bin [--ubatch N] [--batch N] "
+                        "[--first-output P] [--cache-type T] [--flash] [--threads N]\n", argv[0]);
         return 2;
     }
     const int n_predict = atoi(argv[3]);
-    const int n_ubatch  = argc > 5 ? atoi(argv[5]) : 512;
-    const int n_threads = argc > 6 ? atoi(argv[6]) : 2;
-    const bool flash    = argc > 7 && atoi(argv[7]) != 0;
+    int n_ubatch = 512, n_batch = 0, first_output = 0, n_threads = 2;
+    bool flash = false, swa_full = false;
+    ggml_type type_kv = GGML_TYPE_F32;
+    for (int i = 5; i < argc; ++i) {
+        const std::string arg = argv[i];
+        const bool has_value = i + 1 < argc;
+        if (arg == "--flash") {
+            flash = true;
+        } else if (arg == "--swa-full") {
+            swa_full = true;
+        } else if (arg == "--ubatch" && has_value) {
+            n_ubatch = atoi(argv[++i]);
+        } else if (arg == "--batch" && has_value) {
+            n_batch = atoi(argv[++i]);
+        } else if (arg == "--first-output" && has_value) {
+            first_output = atoi(argv[++i]);
+        } else if (arg == "--threads" && has_value) {
+            n_threads = atoi(argv[++i]);
+        } else if (arg == "--cache-type" && has_value) {
+            if (!cache_type(argv[++i], type_kv)) {
+                fprintf(stderr, "error: unknown --cache-type %s (f32, f16, q8_0, q4_0)\n", argv[i]);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "error: unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
 
     std::vector<llama_token> prompt;
     {
@@ -48,9 +98,17 @@ int main(int argc, char ** argv) {
         }
         fclose(f);
     }
-    if (prompt.empty()) {
+    const int n_prompt = (int) prompt.size();
+    if (n_prompt == 0) {
         fprintf(stderr, "error: %s holds no token\n", argv[2]);
         return 2;
+    }
+    if (first_output < 0 || first_output >= n_prompt) {
+        fprintf(stderr, "error: --first-output %d is not a prompt position (0..%d)\n", first_output, n_prompt - 1);
+        return 2;
+    }
+    if (n_batch <= 0) {
+        n_batch = n_prompt;
     }
 
     llama_log_set(quiet, nullptr);
@@ -62,17 +120,16 @@ int main(int argc, char ** argv) {
         return 1;
     }
 
-    const int n_prompt = (int) prompt.size();
-
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx           = n_prompt + n_predict;
-    cparams.n_batch         = n_prompt;
-    cparams.n_ubatch        = n_ubatch;
+    cparams.n_batch         = n_batch;
+    cparams.n_ubatch        = std::min(n_ubatch, n_batch);
     cparams.n_seq_max       = 1;
     cparams.n_threads       = n_threads;
     cparams.n_threads_batch = n_threads;
-    cparams.type_k          = GGML_TYPE_F32;
-    cparams.type_v          = GGML_TYPE_F32;
+    cparams.type_k          = type_kv;
+    cparams.type_v          = type_kv;
+    cparams.swa_full        = swa_full;
     cparams.flash_attn_type = flash ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
 
     llama_context * ctx = llama_init_from_model(model, cparams);
@@ -88,36 +145,34 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "error: cannot write %s\n", argv[4]);
         return 2;
     }
-    const int header[3] = { n_prompt, n_predict, n_vocab };
+    const int header[4] = { n_prompt, first_output, n_predict, n_vocab };
     bool ok = write_all(out, header, sizeof(header));
 
-    llama_batch batch = llama_batch_init(n_prompt, 0, 1);
-    for (int i = 0; i < n_prompt; ++i) {
-        batch.token[i]     = prompt[i];
-        batch.pos[i]       = i;
-        batch.n_seq_id[i]  = 1;
-        batch.seq_id[i][0] = 0;
-        batch.logits[i]    = true;
-    }
-    batch.n_tokens = n_prompt;
-
-    if (llama_decode(ctx, batch) != 0) {
-        fprintf(stderr, "error: the prompt failed to decode\n");
-        return 1;
-    }
-    for (int i = 0; ok && i < n_prompt; ++i) {
-        ok = write_all(out, llama_get_logits_ith(ctx, i), sizeof(float) * n_vocab);
-    }
-
-    const float * logits = llama_get_logits_ith(ctx, n_prompt - 1);
-    for (int step = 0; ok && step < n_predict; ++step) {
-        llama_token best = 0;
-        for (int v = 1; v < n_vocab; ++v) {
-            if (logits[v] > logits[best]) {
-                best = v;
-            }
+    // the prompt in calls of n_batch tokens; each call's outputs are read before the next
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    for (int start = 0; ok && start < n_prompt; start += n_batch) {
+        const int n = std::min(n_batch, n_prompt - start);
+        for (int i = 0; i < n; ++i) {
+            batch.token[i]     = prompt[start + i];
+            batch.pos[i]       = start + i;
+            batch.n_seq_id[i]  = 1;
+            batch.seq_id[i][0] = 0;
+            batch.logits[i]    = start + i >= first_output;
         }
-        ok = write_all(out, &best, sizeof(best)) && write_all(out, logits, sizeof(float) * n_vocab);
+        batch.n_tokens = n;
+        if (llama_decode(ctx, batch) != 0) {
+            fprintf(stderr, "error: the prompt failed to decode at position %d\n", start);
+            return 1;
+        }
+        for (int i = std::max(0, first_output - start); ok && i < n; ++i) {
+            ok = write_all(out, llama_get_logits_ith(ctx, i), sizeof(float) * n_vocab);
+        }
+    }
+
+    std::vector<float> logits(llama_get_logits_ith(ctx, -1), llama_get_logits_ith(ctx, -1) + n_vocab);
+    for (int step = 0; ok && step < n_predict; ++step) {
+        llama_token best = (llama_token) (std::max_element(logits.begin(), logits.end()) - logits.begin());
+        ok = write_all(out, &best, sizeof(best)) && write_all(out, logits.data(), sizeof(float) * n_vocab);
 
         llama_batch next = llama_batch_get_one(&best, 1);
         if (ok && step + 1 < n_predict) {
@@ -125,7 +180,7 @@ int main(int argc, char ** argv) {
                 fprintf(stderr, "error: step %d failed to decode\n", step);
                 return 1;
             }
-            logits = llama_get_logits_ith(ctx, -1);
+            std::memcpy(logits.data(), llama_get_logits_ith(ctx, -1), sizeof(float) * n_vocab);
         }
     }
 

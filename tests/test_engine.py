@@ -35,16 +35,18 @@ pytestmark = pytest.mark.skipif(not LOGITS_TOOL.exists(), reason="the engine is 
 PROMPT, NEW_TOKENS, UBATCH = 80, 64, 32
 
 
-def engine_run(gguf, tokens: list[int], new_tokens: int, ubatch: int, tmp_path):
-    """The engine's prompt logits `[T, V]`, greedy tokens and their logits `[N, V]`."""
+def engine_run(gguf, tokens: list[int], new_tokens: int, ubatch: int, tmp_path, *options: str):
+    """The engine's prompt logits `[T - first_output, V]`, greedy tokens and their logits `[N, V]`.
+    `options`: the parity tool's (`--first-output P`, `--batch N`, `--swa-full`, ...)."""
     ids, out = tmp_path / "tokens.bin", tmp_path / "logits.bin"
     np.asarray(tokens, dtype=np.int32).tofile(ids)
-    subprocess.run([str(LOGITS_TOOL), str(gguf), str(ids), str(new_tokens), str(out), str(ubatch)],
+    subprocess.run([str(LOGITS_TOOL), str(gguf), str(ids), str(new_tokens), str(out), "--ubatch", str(ubatch), *options],
                    check=True, capture_output=True, text=True)
     raw = out.read_bytes()
-    n_prompt, n_predict, n_vocab = np.frombuffer(raw[:12], dtype=np.int32)
-    prompt_logits = np.frombuffer(raw[12:12 + 4 * n_prompt * n_vocab], dtype=np.float32).reshape(n_prompt, n_vocab)
-    steps = np.frombuffer(raw[12 + 4 * n_prompt * n_vocab:], dtype=np.uint8).reshape(n_predict, 4 * (1 + n_vocab))
+    n_prompt, first_output, n_predict, n_vocab = np.frombuffer(raw[:16], dtype=np.int32)
+    n_rows = n_prompt - first_output
+    prompt_logits = np.frombuffer(raw[16:16 + 4 * n_rows * n_vocab], dtype=np.float32).reshape(n_rows, n_vocab)
+    steps = np.frombuffer(raw[16 + 4 * n_rows * n_vocab:], dtype=np.uint8).reshape(n_predict, 4 * (1 + n_vocab))
     greedy = steps[:, :4].copy().view(np.int32)[:, 0]
     step_logits = steps[:, 4:].copy().view(np.float32)
     return prompt_logits, greedy, step_logits
@@ -82,6 +84,39 @@ def exported(tmp_path_factory):
         return made[arch, kind]
 
     return make
+
+
+# Prompts that wrap the window's ring: with ubatches of 32, the sliding-window cache holds 256
+# cells (16 + 2 sinks + 32, padded to 256), so 1,100 tokens wrap it four times. Outputs asked for
+# as llama.cpp's tools ask: every position, the second half (llama-perplexity), the last
+# (llama-server), and the prompt in several llama_decode calls (the server's batches).
+LONG_PROMPT = 1100
+OUTPUT_PATHS = {
+    "every position": (),
+    "second half": ("--first-output", str(LONG_PROMPT // 2)),
+    "last position": ("--first-output", str(LONG_PROMPT - 1)),
+    "decode calls of 300": ("--batch", "300"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(OUTPUT_PATHS))
+@pytest.mark.parametrize("kind", EXPORT_KINDS)
+def test_the_window_ring_wraps_with_its_sinks_kept(exported, kind, path, tmp_path):
+    """The window cache at its own size (as llama.cpp's tools make it, not `swa_full`) wraps
+    several times and the window heads still read their sinks and their last `w` tokens: the
+    logits asked for equal the full forward's, then 16 greedy tokens. (Before the fix the cache's
+    purge of overwritten positions took the sinks with it: 0.15-0.5 relative error from the
+    first wrap on.)"""
+    converted, gguf = exported("llama", kind)
+    tokens = torch.randint(0, COMMON["vocab_size"], (1, LONG_PROMPT), generator=torch.Generator().manual_seed(3))
+    options = OUTPUT_PATHS[path]
+    prompt_logits, greedy, _ = engine_run(gguf, tokens[0].tolist(), 16, UBATCH, tmp_path, *options)
+
+    with torch.no_grad():
+        expected = converted(tokens).logits[0].numpy()
+    first = int(options[1]) if options[:1] == ("--first-output",) else 0
+    assert relative_error(prompt_logits, expected[first:]) < 1e-3
+    assert greedy.tolist() == greedy_generation(converted, tokens, 16)[0]
 
 
 @pytest.mark.parametrize("kind", EXPORT_KINDS)
