@@ -74,7 +74,8 @@ def exported(tmp_path_factory):
     def make(arch: str, kind: str):
         if (arch, kind) not in made:
             folder = tmp_path_factory.mktemp(f"{arch}-{kind.replace('+', '-')}")
-            model = tiny_model(arch, num_hidden_layers=3)
+            # positions enough for the long prompts (llama-server clamps its context to the trained one)
+            model = tiny_model(arch, num_hidden_layers=3, max_position_embeddings=8192)
             converted = open_gates(convert(model, mixed_layout(model), MIXERS[kind])).eval()
             converted.save_pretrained(folder / "model")
             tiny_tokenizer().save_pretrained(folder / "model")

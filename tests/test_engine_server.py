@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,11 +38,12 @@ def post(url: str, body: dict) -> dict:
 
 
 @contextmanager
-def serving(gguf: Path, context: int):
-    """`llama-server` on a free localhost port, until the block ends; yields its base URL."""
+def serving(gguf: Path, context: int, *options: str):
+    """`llama-server` on a free localhost port, until the block ends; yields its base URL.
+    `options`: more flags (default one slot: `-np 1`)."""
     port = free_port()
     server = subprocess.Popen([str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                               "-c", str(context), "-np", "1", "-t", "2", "--jinja"],
+                               "-c", str(context), "-t", "2", "--jinja", *(options or ("-np", "1"))],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -69,6 +71,91 @@ def test_the_server_completes_a_tiny_conversion_as_pytorch_does(exported):
         answer = post(url + "/completion", {"prompt": prompt[0].tolist(), "n_predict": 24, "temperature": 0,
                                             "return_tokens": True, "ignore_eos": True})
     assert answer["tokens"] == greedy_generation(converted, prompt, 24)[0]
+
+
+# The tiny tokenizer's end token; the server stops there (its `ignore_eos` would not: it bans the
+# token, so a greedy answer that ends differs from the model's).
+END = 0
+
+
+def until_end(tokens: list[int]) -> list[int]:
+    return tokens[:tokens.index(END)] if END in tokens else tokens
+
+
+def completion(url: str, prompt: list[int], tokens: int) -> list[int]:
+    """The server's greedy completion of the token ids `prompt`, at most `tokens` long, up to the
+    end token."""
+    answer = post(url + "/completion", {"prompt": prompt, "n_predict": tokens, "temperature": 0,
+                                        "return_tokens": True, "cache_prompt": True})
+    return until_end(answer["tokens"])
+
+
+def expected(converted, prompt: torch.Tensor, tokens: int) -> list[int]:
+    """PyTorch's greedy completion of `prompt` `[1, T]`, up to the end token."""
+    return until_end(greedy_generation(converted, prompt, tokens)[0])
+
+
+def prompts(lengths: list[int], seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (1, n), generator=generator) for n in lengths]
+
+
+# Ubatches of 32: the window cache holds 256 cells (16 + 2 sinks + 32, padded), so prompts of
+# 1,000+ tokens wrap its ring four times and more.
+SMALL_UBATCH = ("-ub", "32", "-b", "256")
+
+
+@pytest.mark.parametrize("kind", ["window+mamba2", "window"])
+def test_the_server_completes_after_a_prompt_that_wraps_the_window_four_times(exported, kind):
+    converted, gguf = exported("llama", kind)
+    prompt = prompts([1100], seed=4)[0]
+    with serving(gguf, 2048, "-np", "1", *SMALL_UBATCH) as url:
+        assert completion(url, prompt[0].tolist(), 24) == expected(converted, prompt, 24)
+
+
+@pytest.mark.parametrize("concurrent", [4, 8])
+def test_concurrent_requests_in_the_default_slots_each_get_their_own_greedy_completion(exported, concurrent):
+    """The server's default slots (4) and unified cache, `concurrent` requests of different
+    lengths at once (8 queue for 4 slots), each long enough to wrap the window cache."""
+    converted, gguf = exported("llama", "window+mamba2")
+    asked = prompts([1000 + 37 * i for i in range(concurrent)], seed=5)
+    with serving(gguf, 4 * 2048, *SMALL_UBATCH) as url:
+        with ThreadPoolExecutor(concurrent) as pool:
+            answers = list(pool.map(lambda p: completion(url, p[0].tolist(), 16), asked))
+    assert answers == [expected(converted, p, 16) for p in asked]
+
+
+def test_a_cached_prompt_is_reused_by_a_later_request_and_a_cancelled_one_leaves_its_slot_clean(exported):
+    """One slot: a 1,100-token request, then one that extends it by 150 tokens (the server reuses
+    the cached prompt, restoring its checkpoint of the window cache and the tail's state taken 4
+    tokens before the first prompt's end), then a request cancelled after a few streamed tokens,
+    then the first again in the same slot."""
+    converted, gguf = exported("llama", "window+mamba2")
+    first, extension, other = prompts([1100, 150, 1000], seed=6)
+    second = torch.cat([first, extension], 1)
+    with serving(gguf, 2048, "-np", "1", *SMALL_UBATCH) as url:
+        assert completion(url, first[0].tolist(), 16) == expected(converted, first, 16)
+        answer = post(url + "/completion", {"prompt": second[0].tolist(), "n_predict": 16, "temperature": 0,
+                                            "return_tokens": True, "cache_prompt": True})
+        assert answer["timings"]["cache_n"] >= 1000  # the cached prompt was reused, not recomputed
+        assert until_end(answer["tokens"]) == expected(converted, second, 16)
+        assert cancelled_after(url, other[0].tolist(), streamed=4) == 4
+        assert completion(url, first[0].tolist(), 16) == expected(converted, first, 16)
+
+
+def cancelled_after(url: str, prompt: list[int], streamed: int) -> int:
+    """Streams a long completion and closes the connection after `streamed` tokens; returns how
+    many came."""
+    body = {"prompt": prompt, "n_predict": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    request = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    came = 0
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data: ") and b'"content"' in line:
+                came += 1
+                if came == streamed:
+                    break
+    return came
 
 
 @pytest.mark.real_model
