@@ -178,6 +178,13 @@ def test_the_real_default_conversion_runs_in_the_engine_as_in_pytorch(tmp_path):
     assert abs(llama_perplexity(binary, tmp_path / "model-f32.gguf", text) / reference - 1) < 0.005
     assert abs(llama_perplexity(binary, tmp_path / "model-q8_0.gguf", text) / reference - 1) < 0.015
 
+    # chunks that wrap the window cache (768 cells at llama-perplexity's ubatch of 512): before the
+    # sinks were kept through a wrap, 2,048-token chunks gave 43.1 here against PyTorch's 20.9
+    for context, chunks in ((2048, 2), (4096, 1)):
+        reference = perplexity_as_llama_cpp(converted, ids, tokenizer.bos_token_id if add_bos else None, context, chunks)
+        engine = llama_perplexity(binary, tmp_path / "model-f32.gguf", text, context=context, chunks=chunks)
+        assert abs(engine / reference - 1) < 0.005, (context, engine, reference)
+
 
 BATCHED_BENCH = engine_root() / "build" / "bin" / "llama-batched-bench"
 

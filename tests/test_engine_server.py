@@ -159,6 +159,24 @@ def cancelled_after(url: str, prompt: list[int], streamed: int) -> int:
 
 
 @pytest.mark.real_model
+def test_the_server_continues_long_held_out_prompts_as_pytorch_does(tmp_path):
+    """The issue's case: after 1,500 and 6,000 tokens of held-out text (the window cache of 768
+    cells wraps 2 and 8 times at the server's default ubatch), 24 greedy tokens equal PyTorch's."""
+    from recurformer.corpus_sources import shared_corpora
+    from recurformer.data import EVAL_CORPORA
+
+    converted, tokenizer = real_conversion(tmp_path / "model")
+    export_command(str(tmp_path / "model"), str(tmp_path / "model.gguf"), "f32")
+    ids = tokenizer(Path(shared_corpora(EVAL_CORPORA)[0]).read_text()[:40000]).input_ids
+    with serving(tmp_path / "model.gguf", 8192) as url:
+        for length in (1500, 6000):
+            prompt = torch.tensor([ids[:length]])
+            answer = post(url + "/completion", {"prompt": prompt[0].tolist(), "n_predict": 24, "temperature": 0,
+                                                "return_tokens": True, "ignore_eos": True})
+            assert answer["tokens"] == greedy_generation(converted, prompt, 24)[0], length
+
+
+@pytest.mark.real_model
 def test_the_server_answers_a_chat_with_the_real_conversions_greedy_tokens(tmp_path):
     converted, tokenizer = real_conversion(tmp_path / "model")
     export_command(str(tmp_path / "model"), str(tmp_path / "model.gguf"), "f32")
