@@ -11,6 +11,8 @@
 //     --swa-full        a sliding-window cache as large as the context (default: the window's own
 //                       size, as llama.cpp's tools make it, so that its ring wraps)
 //     --threads N       (default 2)
+//     --restore-at K    after K greedy steps, save the sequence's state (llama_state_seq_get_data),
+//                       clear the memory, restore the state (llama_state_seq_set_data) and go on
 //
 // TOKENS.bin: int32 token ids. OUT.bin: int32 n_prompt, int32 first_output, int32 n_predict,
 // int32 n_vocab, then the float32 logits of prompt positions first_output.. [n_prompt -
@@ -56,7 +58,7 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const int n_predict = atoi(argv[3]);
-    int n_ubatch = 512, n_batch = 0, first_output = 0, n_threads = 2;
+    int n_ubatch = 512, n_batch = 0, first_output = 0, n_threads = 2, restore_at = -1;
     bool flash = false, swa_full = false;
     ggml_type type_kv = GGML_TYPE_F32;
     for (int i = 5; i < argc; ++i) {
@@ -72,6 +74,8 @@ int main(int argc, char ** argv) {
             n_batch = atoi(argv[++i]);
         } else if (arg == "--first-output" && has_value) {
             first_output = atoi(argv[++i]);
+        } else if (arg == "--restore-at" && has_value) {
+            restore_at = atoi(argv[++i]);
         } else if (arg == "--threads" && has_value) {
             n_threads = atoi(argv[++i]);
         } else if (arg == "--cache-type" && has_value) {
@@ -173,6 +177,19 @@ int main(int argc, char ** argv) {
     for (int step = 0; ok && step < n_predict; ++step) {
         llama_token best = (llama_token) (std::max_element(logits.begin(), logits.end()) - logits.begin());
         ok = write_all(out, &best, sizeof(best)) && write_all(out, logits.data(), sizeof(float) * n_vocab);
+
+        if (step == restore_at) {
+            std::vector<uint8_t> state(llama_state_seq_get_size(ctx, 0));
+            if (llama_state_seq_get_data(ctx, state.data(), state.size(), 0) != state.size()) {
+                fprintf(stderr, "error: the state of step %d could not be saved\n", step);
+                return 1;
+            }
+            llama_memory_clear(llama_get_memory(ctx), true);
+            if (llama_state_seq_set_data(ctx, state.data(), state.size(), 0) == 0) {
+                fprintf(stderr, "error: the state of step %d could not be restored\n", step);
+                return 1;
+            }
+        }
 
         llama_batch next = llama_batch_get_one(&best, 1);
         if (ok && step + 1 < n_predict) {

@@ -121,6 +121,19 @@ def test_the_window_ring_wraps_with_its_sinks_kept(exported, kind, path, tmp_pat
 
 
 @pytest.mark.parametrize("kind", EXPORT_KINDS)
+def test_a_sequence_state_saved_and_restored_mid_stream_goes_on_with_the_same_tokens(exported, kind, tmp_path):
+    """After a prompt that wraps the window cache and 8 greedy steps, the sequence's state
+    (full cache, window cache with its sinks, the tail's state) is saved with
+    llama_state_seq_get_data, the memory cleared and the state restored with
+    llama_state_seq_set_data: the next 24 tokens are PyTorch's."""
+    converted, gguf = exported("llama", kind)
+    tokens = torch.randint(0, COMMON["vocab_size"], (1, LONG_PROMPT), generator=torch.Generator().manual_seed(7))
+    _, greedy, _ = engine_run(gguf, tokens[0].tolist(), 32, UBATCH, tmp_path, "--first-output", str(LONG_PROMPT - 1),
+                              "--restore-at", "8")
+    assert greedy.tolist() == greedy_generation(converted, tokens, 32)[0]
+
+
+@pytest.mark.parametrize("kind", EXPORT_KINDS)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_engine_logits_and_greedy_tokens_match_pytorch(exported, arch, kind, tmp_path):
     converted, gguf = exported(arch, kind)

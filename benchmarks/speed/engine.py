@@ -10,8 +10,9 @@ Then, on `--threads` threads, one model at a time, flash attention on for every 
 - prefill seconds of 8,150 tokens (`llama-bench -p`);
 - the engine's own report of its KV cache and recurrent state at an 8,192-token context
   (the `llama_kv_cache` / `llama_memory_recurrent` lines `llama-completion` logs);
-- held-out perplexity (8 chunks of 512 tokens, `llama-perplexity`) at F32 and Q8_0, beside
-  PyTorch's under the same protocol;
+- held-out perplexity (8 chunks of 512 tokens, 3 of 2,048 and 2 of 4,096, `llama-perplexity`)
+  at F32 and Q8_0, beside PyTorch's under the same protocol (`--perplexity-only` measures this
+  table alone into an existing engine.json);
 - decode tokens/s of 16 sequences together, 128 tokens each after one shared 4,096-token prompt
   in a unified cache (`llama-batched-bench -pps -kvu`: its S_TG, all sequences' tokens), Q8_0.
 
@@ -43,6 +44,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recurformer.checks import read_json_object
 from recurformer.files import write_json_atomic
 
 from benchmarks.common import HELD_OUT, RESULTS, ROOT, random_spec
@@ -56,6 +58,8 @@ PREFILL = 8150
 MEMORY_CONTEXT = 8192
 BATCH = dict(sequences=16, prompt=4096, generate=128)
 PPL_CONTEXT, PPL_CHUNKS = 512, 8  # llama-perplexity's chunks of held-out text
+# the table's chunkings: 2,048 and 4,096 tokens wrap the window cache (768 cells at llama-perplexity's ubatch)
+PPL_CHUNKINGS = ((512, 8), (2048, 3), (4096, 2))
 LONG = dict(shape="qwen2.5-0.5b", type="q8_0", contexts=(16384, 32736), memory_context=32768)
 
 
@@ -298,7 +302,8 @@ def llama_perplexity(binary: Path, gguf: Path, text: Path, threads: int = 2, con
 
 
 def perplexities(engine: Path, ggufs: dict, work: Path, threads: int) -> list[dict]:
-    """Held-out perplexity of each model in PyTorch (F32) and in the engine (each type), same protocol."""
+    """Held-out perplexity of each model in PyTorch (F32) and in the engine (each type), same
+    protocol, at each of PPL_CHUNKINGS."""
     from recurformer.loading import load_any
 
     text = work / "held-out.txt"
@@ -308,11 +313,14 @@ def perplexities(engine: Path, ggufs: dict, work: Path, threads: int) -> list[di
         model, tokenizer = load_any(str(work / name) if name != "original" else "smollm2-135m")
         add_bos = bool(getattr(tokenizer, "add_bos_token", False))
         ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
-        row = {"model": name, "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None)}
-        for out_type in TYPES:
-            row[f"engine_{out_type}"] = llama_perplexity(engine / "build" / "bin" / "llama-perplexity",
-                                                         ggufs[name, out_type], text, threads)
-        rows.append(row)
+        for context, chunks in PPL_CHUNKINGS:
+            row = {"model": name, "context": context, "chunks": chunks,
+                   "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None,
+                                                          context, chunks)}
+            for out_type in TYPES:
+                row[f"engine_{out_type}"] = llama_perplexity(engine / "build" / "bin" / "llama-perplexity",
+                                                             ggufs[name, out_type], text, threads, context, chunks)
+            rows.append(row)
     return rows
 
 
@@ -353,9 +361,10 @@ def markdown(data: dict) -> str:
         batch = f"{e['batched']:.2f}x" if "batched" in e else ""
         lines.append(f"| {e['model']} | {e['type'].upper()} | {decode} | {e['prefill']:.2f}x | {e['memory']:.2f}x | {batch} |")
     if "perplexity" in data:
-        lines += ["", "| model | PyTorch F32 | engine F32 | engine Q8_0 |", "|---|---|---|---|"]
+        lines += ["", "| model | chunks | PyTorch F32 | engine F32 | engine Q8_0 |", "|---|---|---|---|---|"]
         for p in data["perplexity"]:
-            lines.append(f"| {p['model']} | {p['pytorch_f32']:.3f} | {p['engine_f32']:.3f} ({p['engine_f32'] / p['pytorch_f32']:.4f}x) "
+            chunks = f"{p['chunks']} x {p['context']:,}" if "context" in p else f"{PPL_CHUNKS} x {PPL_CONTEXT}"
+            lines.append(f"| {p['model']} | {chunks} | {p['pytorch_f32']:.3f} | {p['engine_f32']:.3f} ({p['engine_f32'] / p['pytorch_f32']:.4f}x) "
                          f"| {p['engine_q8_0']:.3f} ({p['engine_q8_0'] / p['pytorch_f32']:.4f}x) |")
     if "long" in data:
         long = data["long"]
@@ -384,9 +393,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "engine.json")
     parser.add_argument("--rows", type=Path, help="print the tables of this engine.json and stop (no timing)")
     parser.add_argument("--no-long", action="store_true", help="leave out the Qwen2.5-0.5B-shaped rows at 16K and 32K")
+    parser.add_argument("--perplexity-only", action="store_true",
+                        help="measure the perplexity table alone and put it into --out's existing rows (no timing)")
     args = parser.parse_args()
     if args.rows:
         print(markdown(json.loads(args.rows.read_text())))
+        return
+    if args.perplexity_only:
+        data = read_json_object(args.out) if args.out.exists() else None
+        if data is None or "rows" not in data:
+            parser.error(f"--perplexity-only: {args.out} holds no measured rows to add the table to")
+        data["perplexity"] = perplexities(args.engine, make_ggufs(args.work), args.work, args.threads)
+        write_json_atomic(args.out, data)
+        print(markdown(data))
         return
     for tool in ("llama-bench", "llama-completion", "llama-batched-bench"):
         if not (args.engine / "build" / "bin" / tool).exists():
