@@ -150,6 +150,56 @@ def test_engine_logits_and_greedy_tokens_match_pytorch(exported, arch, kind, tmp
     assert relative_error(step_logits, expected_steps) < 1e-3
 
 
+def with_keys(source: Path, out: Path, changes: dict) -> Path:
+    """A copy of the GGUF `source` with the keys of `changes` set to their new values."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, arch=reader.get_field("general.architecture").contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, changes.get(field.name, field.contents()), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    return out
+
+
+# The tiny Llama's layout (tiny_models.mixed_layout): layer 0 replaces both KV groups, layer 1 one,
+# layer 2 none; 4 query heads on 2 groups.
+INCONSISTENT_KEYS = {
+    "a layer's mixer heads without KV groups": ({"recurformer.mixer.head_count_kv": [2, 1, 1]},
+                                                "recurformer.mixer.head_count"),
+    "kept plus replaced groups unequal across layers": ({"recurformer.attention.head_count_kv": [0, 1, 1]},
+                                                        "recurformer.attention.head_count_kv"),
+    "a window of 0 beside window tensors": ({"recurformer.attention.sliding_window": 0},
+                                            "recurformer.attention.sliding_window"),
+    "a tail state larger than its tensors": ({"recurformer.ssm.state_size": 64}, "recurformer.ssm.state_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INCONSISTENT_KEYS))
+def test_a_gguf_whose_recurformer_keys_are_inconsistent_is_refused_in_one_line_naming_the_key(exported, case, tmp_path):
+    _, gguf = exported("llama", "window+mamba2")
+    changes, key = INCONSISTENT_KEYS[case]
+    broken = with_keys(gguf, tmp_path / "broken.gguf", changes)
+    ids = tmp_path / "tokens.bin"
+    np.asarray([1, 2, 3], dtype=np.int32).tofile(ids)
+    done = subprocess.run([str(LOGITS_TOOL), str(broken), str(ids), "1", str(tmp_path / "out.bin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr  # refused, not a crash (a signal is a negative code)
+    reasons = [line for line in done.stderr.splitlines() if key in line]
+    assert len(reasons) == 1 and "GGML_ASSERT" not in done.stderr, done.stderr
+
+
 # The real default conversion: SmolLM2-135M with the groups the example run replaced (beta 0.5,
 # docs/results/example-run/scores.json) by the default mixer, window+mamba2. Its gates are opened
 # to small seeded values, as training opens them (a conversion fresh from `convert` has them at
