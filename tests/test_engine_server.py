@@ -143,6 +143,21 @@ def test_a_cached_prompt_is_reused_by_a_later_request_and_a_cancelled_one_leaves
         assert completion(url, first[0].tolist(), 16) == expected(converted, first, 16)
 
 
+@pytest.mark.parametrize("kind", ["window+mamba2", "window"])
+def test_a_request_that_shares_only_the_start_of_a_cached_prompt_is_not_served_from_a_moved_window(exported, kind):
+    """After a 1,100-token request, one that shares its first 700 tokens: the window cache's 256
+    cells hold the sinks and the positions past ~860, so the window before 700 is gone. The cache
+    reports its first position after the sinks' gap (not the sinks' 0), so the server sees that
+    it cannot go on from 700 and recomputes (for kind `window`, with no recurrent state to force
+    that anyway, reporting 0 made it go on from 700 with the sinks alone); the answer is PyTorch's."""
+    converted, gguf = exported("llama", kind)
+    shared, first_end, second_end = prompts([700, 400, 150], seed=8)
+    first, second = torch.cat([shared, first_end], 1), torch.cat([shared, second_end], 1)
+    with serving(gguf, 2048, "-np", "1", *SMALL_UBATCH) as url:
+        assert completion(url, first[0].tolist(), 16) == expected(converted, first, 16)
+        assert completion(url, second[0].tolist(), 16) == expected(converted, second, 16)
+
+
 def cancelled_after(url: str, prompt: list[int], streamed: int) -> int:
     """Streams a long completion and closes the connection after `streamed` tokens; returns how
     many came."""
