@@ -119,9 +119,8 @@ def test_concurrent_requests_in_the_default_slots_each_get_their_own_greedy_comp
     lengths at once (8 queue for 4 slots), each long enough to wrap the window cache."""
     converted, gguf = exported("llama", "window+mamba2")
     asked = prompts([1000 + 37 * i for i in range(concurrent)], seed=5)
-    with serving(gguf, 4 * 2048, *SMALL_UBATCH) as url:
-        with ThreadPoolExecutor(concurrent) as pool:
-            answers = list(pool.map(lambda p: completion(url, p[0].tolist(), 16), asked))
+    with serving(gguf, 4 * 2048, *SMALL_UBATCH) as url, ThreadPoolExecutor(concurrent) as pool:
+        answers = list(pool.map(lambda p: completion(url, p[0].tolist(), 16), asked))
     assert answers == [expected(converted, p, 16) for p in asked]
 
 
