@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TRITON ?= triton>=3.8
 TRITON_STAMP := $(VENV)/.triton
 
-.PHONY: install test smoke test-all demo bench clean gpu-check engine
+.PHONY: install test smoke test-all demo bench clean gpu-check engine engine-python
 
 install: $(STAMP)
 
@@ -33,11 +33,16 @@ BUILD_ENGINE = PIP=$(BIN)/pip ENGINE_DIR=$(ENGINE_DIR) bash engine/build.sh
 engine: install
 	$(BUILD_ENGINE)
 
+# The Python bindings of the same llama.cpp (llama-cpp-python, with its OpenAI-compatible server),
+# installed into the virtual environment on the engine's libraries.
+engine-python: install
+	ENGINE_BINDINGS=1 $(BUILD_ENGINE)
+
 # The fast suite: tiny random models, no network, no real model. It builds what the engine's tests
-# run first, where it can: the library, its parity tool, llama-server and llama-batched-bench
-# (tests/test_engine*.py).
+# run first, where it can: the library, its parity tool, llama-server, llama-batched-bench and the
+# Python bindings (tests/test_engine*.py).
 test: install $(TRITON_STAMP)
-	ENGINE_TARGETS="llama llama-server llama-batched-bench" $(BUILD_ENGINE) || [ $$? -eq 3 ]
+	ENGINE_BINDINGS=1 ENGINE_TARGETS="llama llama-server llama-batched-bench" $(BUILD_ENGINE) || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 # The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.
@@ -46,7 +51,7 @@ smoke: install
 
 # Everything, including tests that fetch and use the real SmolLM2-135M model (and the whole engine).
 test-all: install
-	$(BUILD_ENGINE) || [ $$? -eq 3 ]
+	ENGINE_BINDINGS=1 $(BUILD_ENGINE) || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q
 
 # The main job on the default model and the default corpora: ../shared/data where it exists,

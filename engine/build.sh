@@ -6,6 +6,8 @@
 # ENGINE_DIR/llama.cpp (the patched source, with its converter) and ENGINE_DIR/build/bin (llama-cli,
 # llama-server, llama-bench, llama-perplexity, llama-batched-bench, llama-quantize, recurformer-logits).
 # A second run reuses what is there; a changed patch re-extracts the source and rebuilds.
+# ENGINE_BINDINGS=1 then installs the same sdist's Python bindings (llama_cpp, with its server) into
+# PIP's environment, on this build's libraries instead of a copy of their own.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,3 +61,12 @@ c++ -O2 -std=c++17 "$ROOT/engine/logits.cpp" -o build/bin/recurformer-logits \
     -Wl,-rpath,"$ENGINE_DIR/build/bin"
 
 echo "engine: built in $ENGINE_DIR/build/bin"
+
+# the bindings: their Python code only (LLAMA_BUILD=OFF), their library folder a link to this build
+if [ "${ENGINE_BINDINGS:-0}" = 1 ]; then
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PIP" install --quiet --no-cache-dir "$SDIST[server]" >> build.log 2>&1 || failed
+    SITE=$("$PIP" show llama_cpp_python | sed -n 's/^Location: //p')
+    rm -rf "$SITE/llama_cpp/lib"  # a link, or the libraries of a build of the bindings' own
+    ln -s "$ENGINE_DIR/build/bin" "$SITE/llama_cpp/lib"
+    echo "engine: Python bindings llama_cpp $VERSION installed, on the libraries in $ENGINE_DIR/build/bin"
+fi
