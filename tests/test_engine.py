@@ -90,13 +90,15 @@ def exported(tmp_path_factory):
 # Prompts that wrap the window's ring: with ubatches of 32, the sliding-window cache holds 256
 # cells (16 + 2 sinks + 32, padded to 256), so 1,100 tokens wrap it four times. Outputs asked for
 # as llama.cpp's tools ask: every position, the second half (llama-perplexity), the last
-# (llama-server), and the prompt in several llama_decode calls (the server's batches).
+# (llama-server), and the prompt in several llama_decode calls (the server's batches); and the window
+# cache at full size (`--swa-full`), which never wraps.
 LONG_PROMPT = 1100
 OUTPUT_PATHS = {
     "every position": (),
     "second half": ("--first-output", str(LONG_PROMPT // 2)),
     "last position": ("--first-output", str(LONG_PROMPT - 1)),
     "decode calls of 300": ("--batch", "300"),
+    "window cache at full size": ("--swa-full",),
 }
 
 

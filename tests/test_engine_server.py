@@ -38,18 +38,21 @@ def post(url: str, body: dict) -> dict:
 
 
 @contextmanager
-def serving(gguf: Path, context: int, *options: str):
+def serving(gguf: Path, context: int, *options: str, log: Path | None = None):
     """`llama-server` on a free localhost port, until the block ends; yields its base URL.
-    `options`: more flags (default one slot: `-np 1`)."""
+    `options`: more flags (default one slot: `-np 1`); `log`: where its log goes (default a
+    file next to the GGUF)."""
     port = free_port()
-    server = subprocess.Popen([str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                               "-c", str(context), "-t", "2", "--jinja", *(options or ("-np", "1"))],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = log or gguf.with_suffix(".server.log")
+    with log.open("w") as stderr:
+        server = subprocess.Popen([str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                   "-c", str(context), "-t", "2", "--jinja", *(options or ("-np", "1"))],
+                                  stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert server.poll() is None, f"llama-server exited: {server.stderr.read()[-2000:]}"
+            assert server.poll() is None, f"llama-server exited: {log.read_text()[-2000:]}"
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5) as response:
                     if response.status == 200:
@@ -155,6 +158,39 @@ def test_a_request_that_shares_only_the_start_of_a_cached_prompt_is_not_served_f
     with serving(gguf, 2048, "-np", "1", *SMALL_UBATCH) as url:
         assert completion(url, first[0].tolist(), 16) == expected(converted, first, 16)
         assert completion(url, second[0].tolist(), 16) == expected(converted, second, 16)
+
+
+def test_the_window_cache_at_full_size_serves_a_request_that_shares_only_the_start_of_a_cached_prompt(exported):
+    """`--swa-full`: the window cache holds the whole context, so after a 1,100-token request one
+    that shares its first 700 tokens goes on from 700 (for the kind without a tail, which
+    nothing else forces to recompute): the answer is PyTorch's."""
+    converted, gguf = exported("llama", "window")
+    shared, first_end, second_end = prompts([700, 400, 150], seed=9)
+    first, second = torch.cat([shared, first_end], 1), torch.cat([shared, second_end], 1)
+    with serving(gguf, 2048, "-np", "1", "--swa-full", *SMALL_UBATCH) as url:
+        assert completion(url, first[0].tolist(), 16) == expected(converted, first, 16)
+        answer = post(url + "/completion", {"prompt": second[0].tolist(), "n_predict": 16, "temperature": 0,
+                                            "return_tokens": True, "cache_prompt": True})
+    assert answer["timings"]["cache_n"] >= 650
+    assert until_end(answer["tokens"]) == expected(converted, second, 16)
+
+
+@pytest.mark.parametrize("window_cache", [(), ("--swa-full",)], ids=["own size", "full size"])
+def test_context_shift_is_refused_in_one_line_and_a_full_context_ends_the_answer(exported, window_cache, tmp_path):
+    """A shift would drop the window's sinks and leave the tail's state holding the dropped
+    tokens, so the engine says it cannot shift (at its own size the window cache could not
+    anyway; at full size, `--swa-full`, only the architecture's refusal stops it):
+    `--context-shift` is turned off with llama.cpp's one-line warning, and an answer that fills
+    the context of 512 stops there, its tokens PyTorch's."""
+    converted, gguf = exported("llama", "window+mamba2")
+    prompt = prompts([400], seed=10)[0]
+    log = tmp_path / "server.log"
+    with serving(gguf, 512, "-np", "1", "--context-shift", *window_cache, *SMALL_UBATCH, log=log) as url:
+        answer = post(url + "/completion", {"prompt": prompt[0].tolist(), "n_predict": 300, "temperature": 0,
+                                            "return_tokens": True, "ignore_eos": True})
+    assert "KV cache shifting is not supported for this context, disabling KV cache shifting" in log.read_text()
+    assert 100 <= len(answer["tokens"]) <= 112
+    assert answer["tokens"] == greedy_generation(converted, prompt, len(answer["tokens"]))[0]
 
 
 def cancelled_after(url: str, prompt: list[int], streamed: int) -> int:
