@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TRITON ?= triton>=3.8
 TRITON_STAMP := $(VENV)/.triton
 
-.PHONY: install test smoke test-all demo bench clean gpu-check engine engine-python
+.PHONY: install test smoke test-all demo bench clean gpu-check engine engine-python engine-tests
 
 install: $(STAMP)
 
@@ -38,11 +38,16 @@ engine: install
 engine-python: install
 	ENGINE_BINDINGS=1 $(BUILD_ENGINE)
 
+# llama.cpp's own tests of architectures and memory on the patched build, recurformer included.
+engine-tests: install
+	ENGINE_TESTS=1 ENGINE_TARGETS=llama $(BUILD_ENGINE)
+	$(BIN)/python -m pytest -q tests/test_engine_upstream.py
+
 # The fast suite: tiny random models, no network, no real model. It builds what the engine's tests
-# run first, where it can: the library, its parity tool, llama-server, llama-batched-bench and the
-# Python bindings (tests/test_engine*.py).
+# run first, where it can: the library, its parity tool, llama-server, llama-batched-bench, the
+# Python bindings and llama.cpp's own tests of architectures and memory (tests/test_engine*.py).
 test: install $(TRITON_STAMP)
-	ENGINE_BINDINGS=1 ENGINE_TARGETS="llama llama-server llama-batched-bench" $(BUILD_ENGINE) || [ $$? -eq 3 ]
+	ENGINE_BINDINGS=1 ENGINE_TESTS=1 ENGINE_TARGETS="llama llama-server llama-batched-bench" $(BUILD_ENGINE) || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 # The main job in miniature (`run --quick` on the real model), checked end to end. CI runs it.
@@ -51,7 +56,7 @@ smoke: install
 
 # Everything, including tests that fetch and use the real SmolLM2-135M model (and the whole engine).
 test-all: install
-	ENGINE_BINDINGS=1 $(BUILD_ENGINE) || [ $$? -eq 3 ]
+	ENGINE_BINDINGS=1 ENGINE_TESTS=1 $(BUILD_ENGINE) || [ $$? -eq 3 ]
 	$(BIN)/python -m pytest -q
 
 # The main job on the default model and the default corpora: ../shared/data where it exists,

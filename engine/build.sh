@@ -20,6 +20,9 @@ SDIST=llama_cpp_python-$VERSION.tar.gz
 PATCH=$ROOT/engine/recurformer.patch
 # ENGINE_TARGETS=llama builds the library alone (enough for the parity tool: make test)
 TARGETS=${ENGINE_TARGETS:-llama-cli llama-completion llama-server llama-bench llama-perplexity llama-batched-bench llama-quantize}
+# ENGINE_TESTS=1 adds llama.cpp's own tests of architectures and memory (tests/test_engine_upstream.py)
+UPSTREAM_TESTS="test-llama-archs test-save-load-state test-recurrent-state-rollback test-state-restore-fragmented"
+[ "${ENGINE_TESTS:-0}" = 1 ] && TARGETS="$TARGETS $UPSTREAM_TESTS"
 
 mkdir -p "$ENGINE_DIR"
 cd "$ENGINE_DIR"
@@ -52,6 +55,9 @@ failed() { tail -20 build.log >&2; echo "engine: the build failed (all of it in 
 echo "engine: building $TARGETS in $ENGINE_DIR/build (a first build takes minutes)" >&2
 [ -f build/CMakeCache.txt ] || cmake -S llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > build.log 2>&1 || failed
+if [ "${ENGINE_TESTS:-0}" = 1 ] && ! grep -q '^LLAMA_BUILD_TESTS:BOOL=ON' build/CMakeCache.txt; then
+    cmake -S llama.cpp -B build -DLLAMA_BUILD_TESTS=ON >> build.log 2>&1 || failed
+fi
 cmake --build build -j "$JOBS" --target $TARGETS >> build.log 2>&1 || failed
 
 # the parity tool, against the patched library
