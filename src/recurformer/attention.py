@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 
 from .cache import HybridCache
 from .config import ConfigError
+from .kv_quant import stored
 from .mixers import HeadShape, MixerConfig, build_mixer, resolve_for_model
 from .ops.backends import pick_backend
 from .ops.attention_step import AttentionStepKernel, AttentionWeights
@@ -90,6 +91,8 @@ class HybridAttention(nn.Module):
         sliding_window: the original layer's sliding window (Qwen2/Mistral), else None.
     """
 
+    kv_cache_type: str | None = None  # the kept heads' K/V stored as llama.cpp stores them (`kv_quant.store_kv_as`)
+
     def __init__(
         self,
         config,
@@ -148,11 +151,13 @@ class HybridAttention(nn.Module):
         cache = past_key_values if cache is None else cache
         batch, length = hidden_states.shape[:2]
         if length == 1 and isinstance(cache, HybridCache) and cache.is_static:
+            if self.kv_cache_type:
+                raise ValueError(f"a {self.kv_cache_type} KV cache decodes on the general path: leave the cache dynamic")
             return self._static_decode(hidden_states, position_embeddings, cache), None
         parts: list[Tensor] = []
         weights = None
         compiled = (self._compiled_decode(hidden_states, position_embeddings, attention_mask, cache, kwargs)
-                    if self.has_attention else None)
+                    if self.has_attention and not self.kv_cache_type else None)
         if compiled is not None:
             parts.append(compiled[:, None])
         elif self.has_attention:
@@ -162,6 +167,8 @@ class HybridAttention(nn.Module):
             v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if self.kv_cache_type:
+                k, v = stored(k, self.kv_cache_type, "k"), stored(v, self.kv_cache_type, "v")
             if cache is not None:
                 k, v = cache.update(k, v, self.layer_idx)
             packs = self._packs_decode(length, attention_mask, kwargs)

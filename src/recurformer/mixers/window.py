@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..ops.window import token_positions, window_attention
+from ..kv_quant import stored
+from ..ops.rope import rotate
 from ..ops.window.ring_step import ring_slot, ring_step
 from ..ops.window_step import Tail, WindowWeights
 from .base import HeadShape, Mixer, MixerState, PositionEmbeddings, ReplacedHeads, register_mixer
@@ -37,6 +39,7 @@ class WindowMixer(Mixer):
     state of `sinks + window` tokens."""
 
     reads = frozenset({"window", "sinks", "scan_backend"})  # scan_backend: the attention's and the decode step's
+    kv_cache_type: str | None = None  # its keys and values stored as llama.cpp stores them (`kv_quant.store_kv_as`)
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
@@ -125,6 +128,8 @@ class WindowMixer(Mixer):
         then the tokens that stay in the window are written into the buffer."""
         batch, length = x.shape[:2]
         q, k, v = self._project_tokens(x, position_embeddings)
+        if self.kv_cache_type:
+            k, v = stored(k, self.kv_cache_type, "k"), stored(v, self.kv_cache_type, "v")
         past = None if state is None else (state["keys"], state["values"], state["index"])
         out = window_attention(q, k, v, self.window, self.sinks, self.scaling, attention_mask, past,
                                backend=self.config.scan_backend)
@@ -166,13 +171,16 @@ class WindowMixer(Mixer):
         projections here and `ops/window/ring_step` with RoPE (Triton on a GPU, PyTorch
         elsewhere), each KV group's query heads as that group's queries, so no key or value
         is repeated per head."""
-        kernel = compiled_step(self, x)
+        kernel = None if self.kv_cache_type else compiled_step(self, x)
         if kernel is not None:
             return kernel(x, *rotary(position_embeddings), state)
         batch = x.shape[0]
         q = self.q_proj(x).view(batch, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, self.n_kv_heads, self.head_dim)
-        out = ring_step(q, k, v, state["keys"], state["values"], state["index"], self.window, self.sinks, self.scaling,
-                        rotary(position_embeddings))
+        rope = rotary(position_embeddings)
+        if self.kv_cache_type:  # the key stored as the cache stores it, after its rotation
+            q, k = rotate(q, *rope), rotate(k, *rope)
+            k, v, rope = stored(k, self.kv_cache_type, "k"), stored(v, self.kv_cache_type, "v"), None
+        out = ring_step(q, k, v, state["keys"], state["values"], state["index"], self.window, self.sinks, self.scaling, rope)
         return out.reshape(batch, self.d_out)

@@ -101,7 +101,7 @@ class WindowRecurrentMixer(Mixer):
         """One token through both branches, the states updated in place: one compiled call
         (projections, window, branch step, out_proj and gate) when the kernels are built
         (`ops/window_step`); else the two mixers' own steps."""
-        kernel = compiled_step(self, x)
+        kernel = None if self.window.kv_cache_type else compiled_step(self, x)
         if kernel is not None:
             names = {"keys": "window.keys", "values": "window.values", "index": "window.index",
                      "conv": "recurrent.conv", "ssm": "recurrent.ssm"}
