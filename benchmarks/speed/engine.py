@@ -11,8 +11,9 @@ Then, on `--threads` threads, one model at a time, flash attention on for every 
 - the engine's own report of its KV cache and recurrent state at an 8,192-token context
   (the `llama_kv_cache` / `llama_memory_recurrent` lines `llama-completion` logs);
 - held-out perplexity (8 chunks of 512 tokens, 3 of 2,048 and 2 of 4,096, `llama-perplexity`)
-  at F32 and Q8_0, beside PyTorch's under the same protocol (`--perplexity-only` measures this
-  table alone into an existing engine.json);
+  at F32, F16, Q8_0 and `llama-quantize`'s Q4_K_M, beside PyTorch's under the same protocol, for
+  these models and, with `--trained DIR`, a trained conversion (`--perplexity-only` measures
+  this table alone into an existing engine.json);
 - decode tokens/s of 16 sequences together, 128 tokens each after one shared 4,096-token prompt
   in a unified cache (`llama-batched-bench -pps -kvu`: its S_TG, all sequences' tokens), Q8_0.
 
@@ -53,6 +54,8 @@ from benchmarks.speed.llama_cpp import llama_bench
 SCORES = RESULTS / "example-run" / "scores.json"
 BETAS = (0.5, 0.75)
 TYPES = ("f32", "q8_0")
+# the perplexity table's: also F16 and llama-quantize's Q4_K_M
+PPL_TYPES = ("f32", "f16", "q8_0", "q4_k_m")
 CONTEXTS = (512, 2048, 4096, 8150)
 PREFILL = 8150
 MEMORY_CONTEXT = 8192
@@ -77,9 +80,9 @@ def default_conversion(model, beta: float):
     return convert(model, select_heads(HeadScores.load(SCORES), beta), MixerConfig())
 
 
-def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
-    """(name, type) -> GGUF, exported once into `work`."""
-    from recurformer.export import export_command
+def model_sources(work: Path) -> dict[str, str]:
+    """name -> what `recurformer export` reads: the original's name and the untrained
+    conversions, saved once into `work`."""
     from recurformer.loading import load_model
 
     work.mkdir(parents=True, exist_ok=True)
@@ -93,11 +96,24 @@ def make_ggufs(work: Path) -> dict[tuple[str, str], Path]:
             default_conversion(model, beta).save_pretrained(folder)
             tokenizer.save_pretrained(folder)
         sources[f"beta{beta}"] = str(folder)
+    return sources
+
+
+def make_ggufs(work: Path, sources: dict[str, str], types=TYPES, engine: Path | None = None) -> dict[tuple[str, str], Path]:
+    """(name, type) -> GGUF, made once into `work`: `recurformer export` for f32, f16 and q8_0,
+    `llama-quantize` of the F32 file for q4_k_m (its own choice of type per tensor)."""
+    from recurformer.export import export_command
+
     ggufs = {}
     for name, source in sources.items():
-        for out_type in TYPES:
+        for out_type in sorted(types, key=lambda t: t != "f32"):  # F32 first: Q4_K_M is made from it
             path = work / f"{name}-{out_type}.gguf"
-            if not path.exists():
+            if not path.exists() and out_type == "q4_k_m":
+                quantized = path.with_suffix(".tmp")
+                subprocess.run([str(engine / "build" / "bin" / "llama-quantize"), str(ggufs[name, "f32"]), str(quantized),
+                                "Q4_K_M", "2"], check=True, capture_output=True)
+                quantized.replace(path)
+            elif not path.exists():
                 export_command(source, str(path), out_type)
             ggufs[name, out_type] = path
     return ggufs
@@ -301,25 +317,34 @@ def llama_perplexity(binary: Path, gguf: Path, text: Path, threads: int = 2, con
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr).group(1))
 
 
-def perplexities(engine: Path, ggufs: dict, work: Path, threads: int) -> list[dict]:
-    """Held-out perplexity of each model in PyTorch (F32) and in the engine (each type), same
-    protocol, at each of PPL_CHUNKINGS."""
+def perplexities(engine: Path, sources: dict[str, str], work: Path, threads: int) -> list[dict]:
+    """Held-out perplexity of each model in PyTorch (F32) and in the engine (each of PPL_TYPES),
+    same protocol, at each of PPL_CHUNKINGS."""
     from recurformer.loading import load_any
 
+    ggufs = make_ggufs(work, sources, PPL_TYPES, engine)
     text = work / "held-out.txt"
     text.write_text(HELD_OUT.read_text()[:60000])
     rows = []
-    for name in model_names():
-        model, tokenizer = load_any(str(work / name) if name != "original" else "smollm2-135m")
-        add_bos = bool(getattr(tokenizer, "add_bos_token", False))
-        ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
+    for name, source in sources.items():
+        model = None
         for context, chunks in PPL_CHUNKINGS:
-            row = {"model": name, "context": context, "chunks": chunks,
-                   "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None,
-                                                          context, chunks)}
-            for out_type in TYPES:
-                row[f"engine_{out_type}"] = llama_perplexity(engine / "build" / "bin" / "llama-perplexity",
-                                                             ggufs[name, out_type], text, threads, context, chunks)
+            # each row kept as it is measured (an interrupted run goes on), under the source it measured
+            kept = work / "perplexity" / f"{name}-{context}x{chunks}.json"
+            row = read_json_object(kept) if kept.exists() else None
+            if row is None or row.get("source") != source or any(f"engine_{t}" not in row for t in PPL_TYPES):
+                if model is None:
+                    model, tokenizer = load_any(source)
+                    add_bos = bool(getattr(tokenizer, "add_bos_token", False))
+                    ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
+                row = {"model": name, "source": source, "context": context, "chunks": chunks,
+                       "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None,
+                                                              context, chunks)}
+                for out_type in PPL_TYPES:
+                    row[f"engine_{out_type}"] = llama_perplexity(engine / "build" / "bin" / "llama-perplexity",
+                                                                 ggufs[name, out_type], text, threads, context, chunks)
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(kept, row)
             rows.append(row)
     return rows
 
@@ -361,11 +386,13 @@ def markdown(data: dict) -> str:
         batch = f"{e['batched']:.2f}x" if "batched" in e else ""
         lines.append(f"| {e['model']} | {e['type'].upper()} | {decode} | {e['prefill']:.2f}x | {e['memory']:.2f}x | {batch} |")
     if "perplexity" in data:
-        lines += ["", "| model | chunks | PyTorch F32 | engine F32 | engine Q8_0 |", "|---|---|---|---|---|"]
+        types = [t for t in PPL_TYPES if f"engine_{t}" in data["perplexity"][0]]
+        lines += ["", "| model | chunks | PyTorch F32 | " + " | ".join(f"engine {t.upper()}" for t in types) + " |",
+                  "|---|---|---|" + "---|" * len(types)]
         for p in data["perplexity"]:
             chunks = f"{p['chunks']} x {p['context']:,}" if "context" in p else f"{PPL_CHUNKS} x {PPL_CONTEXT}"
-            lines.append(f"| {p['model']} | {chunks} | {p['pytorch_f32']:.3f} | {p['engine_f32']:.3f} ({p['engine_f32'] / p['pytorch_f32']:.4f}x) "
-                         f"| {p['engine_q8_0']:.3f} ({p['engine_q8_0'] / p['pytorch_f32']:.4f}x) |")
+            cells = " | ".join(f"{p[f'engine_{t}']:.3f} ({p[f'engine_{t}'] / p['pytorch_f32']:.4f}x)" for t in types)
+            lines.append(f"| {p['model']} | {chunks} | {p['pytorch_f32']:.3f} | {cells} |")
     if "long" in data:
         long = data["long"]
         contexts = list(long["rows"][0]["decode_tokens_per_s"])
@@ -395,7 +422,12 @@ def main() -> None:
     parser.add_argument("--no-long", action="store_true", help="leave out the Qwen2.5-0.5B-shaped rows at 16K and 32K")
     parser.add_argument("--perplexity-only", action="store_true",
                         help="measure the perplexity table alone and put it into --out's existing rows (no timing)")
+    parser.add_argument("--trained", type=Path,
+                        help="a trained conversion (as `recurformer run` saves it, e.g. runs/demo/final): its perplexity rows too")
     args = parser.parse_args()
+    if args.trained and not (args.trained / "config.json").exists():
+        parser.error(f"--trained {args.trained}: no config.json there (a converted model's folder)")
+    trained = {"trained": str(args.trained)} if args.trained else {}
     if args.rows:
         print(markdown(json.loads(args.rows.read_text())))
         return
@@ -403,7 +435,7 @@ def main() -> None:
         data = read_json_object(args.out) if args.out.exists() else None
         if data is None or "rows" not in data:
             parser.error(f"--perplexity-only: {args.out} holds no measured rows to add the table to")
-        data["perplexity"] = perplexities(args.engine, make_ggufs(args.work), args.work, args.threads)
+        data["perplexity"] = perplexities(args.engine, {**model_sources(args.work), **trained}, args.work, args.threads)
         write_json_atomic(args.out, data)
         print(markdown(data))
         return
@@ -411,14 +443,14 @@ def main() -> None:
         if not (args.engine / "build" / "bin" / tool).exists():
             parser.error(f"--engine {args.engine}: no build/bin/{tool}; run `make engine` first")
     contexts = (256, 512) if args.quick else CONTEXTS
-    ggufs = make_ggufs(args.work)
+    ggufs = make_ggufs(args.work, model_sources(args.work))
     rows = measure(args.engine, ggufs, args.work, args.threads, 1 if args.quick else args.repetitions,
                    args.decode, contexts, args.quick)
     data = {"threads": args.threads, "repetitions": args.repetitions, "decode_tokens": args.decode,
             "flash_attention": True, "batched": BATCH, "rows": rows}
     data["ratios"] = ratios(rows)
     if not args.quick:
-        data["perplexity"] = perplexities(args.engine, ggufs, args.work, args.threads)
+        data["perplexity"] = perplexities(args.engine, {**model_sources(args.work), **trained}, args.work, args.threads)
         if not args.no_long:
             long_rows = measure_long(args.engine, make_long_ggufs(args.work), args.work, args.threads, args.decode)
             data["long"] = {**LONG, "rows": long_rows, "ratios": ratios(long_rows)}
