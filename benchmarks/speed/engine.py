@@ -13,7 +13,8 @@ Then, on `--threads` threads, one model at a time, flash attention on for every 
 - held-out perplexity (8 chunks of 512 tokens, 3 of 2,048 and 2 of 4,096, `llama-perplexity`)
   at F32, F16, Q8_0 and `llama-quantize`'s Q4_K_M, beside PyTorch's under the same protocol, for
   these models and, with `--trained DIR`, a trained conversion (`--perplexity-only` measures
-  this table alone into an existing engine.json);
+  this table alone into an existing engine.json); with `--trained`, also the trained
+  conversion's Q4_K_M with the new tensors' types chosen each way of QUANT_CHOICES;
 - decode tokens/s of 16 sequences together, 128 tokens each after one shared 4,096-token prompt
   in a unified cache (`llama-batched-bench -pps -kvu`: its S_TG, all sequences' tokens), Q8_0.
 
@@ -349,6 +350,32 @@ def perplexities(engine: Path, sources: dict[str, str], work: Path, threads: int
     return rows
 
 
+# Q4_K_M's choices for the new tensors, against the alternatives (llama-quantize --tensor-type):
+# the window's V as V (the patch's rule) or as any matrix (upstream's rule for an unknown name), and
+# the tail's projections at the file's main type or at q8_0
+QUANT_CHOICES = {
+    "attn_v_win as attn_v (the patch)": (),
+    "attn_v_win as any matrix (q5_0 here)": ("--tensor-type", "attn_v_win=q5_0"),
+    "attn_v_win as attn_v, ssm_in and ssm_out q8_0": ("--tensor-type", "ssm_in=q8_0", "--tensor-type", "ssm_out=q8_0"),
+}
+
+
+def quant_choices(engine: Path, f32: Path, work: Path, threads: int, context: int = 4096, chunks: int = 2) -> list[dict]:
+    """Held-out perplexity of `f32` quantized to Q4_K_M each way of QUANT_CHOICES, with each file's bytes."""
+    text = work / "held-out.txt"
+    rows = []
+    for name, options in QUANT_CHOICES.items():
+        path = work / f"{f32.stem}-choice{len(rows)}.gguf"
+        if not path.exists():
+            subprocess.run([str(engine / "build" / "bin" / "llama-quantize"), *options, str(f32), str(path.with_suffix(".tmp")),
+                            "Q4_K_M", "2"], check=True, capture_output=True)
+            path.with_suffix(".tmp").replace(path)
+        rows.append({"choice": name, "bytes": path.stat().st_size, "context": context, "chunks": chunks,
+                     "perplexity": llama_perplexity(engine / "build" / "bin" / "llama-perplexity", path, text, threads,
+                                                    context, chunks)})
+    return rows
+
+
 def ratios(rows: list[dict]) -> list[dict]:
     """Each conversion over the original of its weight type: measured, and the limit from bytes
     (prefill and the 16 sequences where the rows have them: the long rows do not)."""
@@ -393,6 +420,12 @@ def markdown(data: dict) -> str:
             chunks = f"{p['chunks']} x {p['context']:,}" if "context" in p else f"{PPL_CHUNKS} x {PPL_CONTEXT}"
             cells = " | ".join(f"{p[f'engine_{t}']:.3f} ({p[f'engine_{t}'] / p['pytorch_f32']:.4f}x)" for t in types)
             lines.append(f"| {p['model']} | {chunks} | {p['pytorch_f32']:.3f} | {cells} |")
+    if "quant_choices" in data:
+        lines += ["", "Q4_K_M of the trained conversion, the new tensors' types "
+                  f"({data['quant_choices'][0]['chunks']} x {data['quant_choices'][0]['context']:,} held-out tokens):", "",
+                  "| choice | perplexity | file MiB |", "|---|---|---|"]
+        for c in data["quant_choices"]:
+            lines.append(f"| {c['choice']} | {c['perplexity']:.3f} | {c['bytes'] / 2**20:.1f} |")
     if "long" in data:
         long = data["long"]
         contexts = list(long["rows"][0]["decode_tokens_per_s"])
@@ -436,6 +469,8 @@ def main() -> None:
         if data is None or "rows" not in data:
             parser.error(f"--perplexity-only: {args.out} holds no measured rows to add the table to")
         data["perplexity"] = perplexities(args.engine, {**model_sources(args.work), **trained}, args.work, args.threads)
+        if trained:
+            data["quant_choices"] = quant_choices(args.engine, args.work / "trained-f32.gguf", args.work, args.threads)
         write_json_atomic(args.out, data)
         print(markdown(data))
         return
