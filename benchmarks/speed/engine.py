@@ -318,6 +318,12 @@ def llama_perplexity(binary: Path, gguf: Path, text: Path, threads: int = 2, con
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr).group(1))
 
 
+def portable(source: str) -> str:
+    """`source` as a results file names it: relative to the checkout where it lies inside it."""
+    path = Path(source).resolve()
+    return str(path.relative_to(ROOT)) if Path(source).exists() and path.is_relative_to(ROOT) else source
+
+
 def perplexities(engine: Path, sources: dict[str, str], work: Path, threads: int) -> list[dict]:
     """Held-out perplexity of each model in PyTorch (F32) and in the engine (each of PPL_TYPES),
     same protocol, at each of PPL_CHUNKINGS."""
@@ -333,12 +339,12 @@ def perplexities(engine: Path, sources: dict[str, str], work: Path, threads: int
             # each row kept as it is measured (an interrupted run goes on), under the source it measured
             kept = work / "perplexity" / f"{name}-{context}x{chunks}.json"
             row = read_json_object(kept) if kept.exists() else None
-            if row is None or row.get("source") != source or any(f"engine_{t}" not in row for t in PPL_TYPES):
+            if row is None or row.get("source") != portable(source) or any(f"engine_{t}" not in row for t in PPL_TYPES):
                 if model is None:
                     model, tokenizer = load_any(source)
                     add_bos = bool(getattr(tokenizer, "add_bos_token", False))
                     ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
-                row = {"model": name, "source": source, "context": context, "chunks": chunks,
+                row = {"model": name, "source": portable(source), "context": context, "chunks": chunks,
                        "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None,
                                                               context, chunks)}
                 for out_type in PPL_TYPES:
