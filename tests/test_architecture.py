@@ -23,10 +23,10 @@ PACKAGE = ROOT / "src" / "recurformer"
 # higher one. Layer 0 holds the leaves that anything may use.
 LAYERS: dict[str, int] = {
     "errors": 0, "config": 0, "device": 0, "files": 0, "data": 0, "retrieval_mix": 0, "dataset_ids": 0, "corpus_sources": 0, "tasks": 0, "hub": 0, "memory": 0, "checks": 0, "outputs": 0,
-    "ops": 1,
+    "ops": 1, "kv_quant": 1,
     "mixers": 2,
     "attention": 3, "attention_hook": 3, "cache": 3,
-    "modeling": 4, "surgery": 4, "decode_graph": 4,
+    "modeling": 4, "surgery": 4, "decode_graph": 4, "stored_kv": 4,
     "loading": 5, "model_card": 5, "metrics": 5, "ablation": 5, "retrieval_probe": 5, "equal_cache": 5, "eviction": 5, "scoring": 5,
     "train": 5,
     "evaluate": 5, "bench": 5, "recipe": 5, "export": 5,
