@@ -7,12 +7,8 @@ server (`python -m llama_cpp.server`). Skipped where the bindings are not instal
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import time
-import urllib.request
-from contextlib import closing, contextmanager
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +16,7 @@ import pytest
 import torch
 from test_engine import exported  # noqa: F401  (the fixture: tiny conversions and their GGUFs)
 from test_engine import greedy_generation, real_conversion, relative_error
-from test_engine_server import free_port, post
+from test_engine_server import free_port, post, served
 from tiny_models import tiny_tokenizer
 
 from recurformer.export import export_command
@@ -73,30 +69,12 @@ def test_create_completion_answers_the_token_ids_of_a_long_prompt_with_pytorchs_
     assert answer["choices"][0]["text"] == tiny_tokenizer().decode(tokens)
 
 
-@contextmanager
 def bindings_server(gguf: Path, context: int):
     """`python -m llama_cpp.server` on a free localhost port until the block ends; yields its URL."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                               "--port", str(port), "--n_ctx", str(context), "--n_threads", "2"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"llama_cpp.server exited: {server.stderr.read()[-2000:]}"
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "llama_cpp.server did not come up in 120 s"
-            time.sleep(0.5)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", str(context), "--n_threads", "2"]
+    return served(command, port, "/v1/models", gguf.with_suffix(".bindings-server.log"))
 
 
 def test_the_bindings_openai_server_completes_a_text_as_pytorch_does(exported):

@@ -38,33 +38,38 @@ def post(url: str, body: dict) -> dict:
 
 
 @contextmanager
-def serving(gguf: Path, context: int, *options: str, log: Path | None = None):
-    """`llama-server` on a free localhost port, until the block ends; yields its base URL.
-    `options`: more flags (default one slot: `-np 1`); `log`: where its log goes (default a
-    file next to the GGUF)."""
-    port = free_port()
-    log = log or gguf.with_suffix(".server.log")
+def served(command: list[str], port: int, ready: str, log: Path):
+    """The HTTP server `command` (listening on localhost `port`, its log into `log`) until the
+    block ends, once `ready` (a path) answers 200; yields its base URL."""
     with log.open("w") as stderr:
-        server = subprocess.Popen([str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                   "-c", str(context), "-t", "2", "--jinja", *(options or ("-np", "1"))],
-                                  stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert server.poll() is None, f"llama-server exited: {log.read_text()[-2000:]}"
+            assert server.poll() is None, f"{command[0]} exited: {log.read_text()[-2000:]}"
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                with urllib.request.urlopen(url + ready, timeout=5) as response:
                     if response.status == 200:
                         break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, "llama-server did not come up in 120 s"
+            assert time.monotonic() < deadline, f"{command[0]} did not come up in 120 s"
             time.sleep(0.5)
         yield url
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def serving(gguf: Path, context: int, *options: str, log: Path | None = None):
+    """`llama-server` on a free localhost port, until the block ends; yields its base URL.
+    `options`: more flags (default one slot: `-np 1`); `log`: where its log goes (default a
+    file next to the GGUF)."""
+    port = free_port()
+    command = [str(SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-c", str(context), "-t", "2", "--jinja", *(options or ("-np", "1"))]
+    return served(command, port, "/health", log or gguf.with_suffix(".server.log"))
 
 
 def test_the_server_completes_a_tiny_conversion_as_pytorch_does(exported):

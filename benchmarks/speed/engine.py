@@ -81,6 +81,15 @@ def default_conversion(model, beta: float):
     return convert(model, select_heads(HeadScores.load(SCORES), beta), MixerConfig())
 
 
+def quantize_q4_k_m(engine: Path, f32: Path, out: Path, *options: str) -> None:
+    """`llama-quantize` of `f32` to Q4_K_M into `out` (written under a staging name, then renamed);
+    `options`: its own (`--tensor-type NAME=TYPE`, ...)."""
+    staging = out.with_suffix(".tmp")
+    subprocess.run([str(engine / "build" / "bin" / "llama-quantize"), *options, str(f32), str(staging), "Q4_K_M", "2"],
+                   check=True, capture_output=True)
+    staging.replace(out)
+
+
 def model_sources(work: Path) -> dict[str, str]:
     """name -> what `recurformer export` reads: the original's name and the untrained
     conversions, saved once into `work`."""
@@ -110,10 +119,7 @@ def make_ggufs(work: Path, sources: dict[str, str], types=TYPES, engine: Path | 
         for out_type in sorted(types, key=lambda t: t != "f32"):  # F32 first: Q4_K_M is made from it
             path = work / f"{name}-{out_type}.gguf"
             if not path.exists() and out_type == "q4_k_m":
-                quantized = path.with_suffix(".tmp")
-                subprocess.run([str(engine / "build" / "bin" / "llama-quantize"), str(ggufs[name, "f32"]), str(quantized),
-                                "Q4_K_M", "2"], check=True, capture_output=True)
-                quantized.replace(path)
+                quantize_q4_k_m(engine, ggufs[name, "f32"], path)
             elif not path.exists():
                 export_command(source, str(path), out_type)
             ggufs[name, out_type] = path
@@ -334,17 +340,17 @@ def perplexities(engine: Path, sources: dict[str, str], work: Path, threads: int
     text.write_text(HELD_OUT.read_text()[:60000])
     rows = []
     for name, source in sources.items():
-        model = None
+        model, shown = None, portable(source)
         for context, chunks in PPL_CHUNKINGS:
             # each row kept as it is measured (an interrupted run goes on), under the source it measured
             kept = work / "perplexity" / f"{name}-{context}x{chunks}.json"
             row = read_json_object(kept) if kept.exists() else None
-            if row is None or row.get("source") != portable(source) or any(f"engine_{t}" not in row for t in PPL_TYPES):
+            if row is None or row.get("source") != shown or any(f"engine_{t}" not in row for t in PPL_TYPES):
                 if model is None:
                     model, tokenizer = load_any(source)
                     add_bos = bool(getattr(tokenizer, "add_bos_token", False))
                     ids = ([tokenizer.bos_token_id] if add_bos else []) + tokenizer(text.read_text()).input_ids
-                row = {"model": name, "source": portable(source), "context": context, "chunks": chunks,
+                row = {"model": name, "source": shown, "context": context, "chunks": chunks,
                        "pytorch_f32": perplexity_as_llama_cpp(model.eval(), ids, tokenizer.bos_token_id if add_bos else None,
                                                               context, chunks)}
                 for out_type in PPL_TYPES:
@@ -373,9 +379,7 @@ def quant_choices(engine: Path, f32: Path, work: Path, threads: int, context: in
     for name, options in QUANT_CHOICES.items():
         path = work / f"{f32.stem}-choice{len(rows)}.gguf"
         if not path.exists():
-            subprocess.run([str(engine / "build" / "bin" / "llama-quantize"), *options, str(f32), str(path.with_suffix(".tmp")),
-                            "Q4_K_M", "2"], check=True, capture_output=True)
-            path.with_suffix(".tmp").replace(path)
+            quantize_q4_k_m(engine, f32, path, *options)
         rows.append({"choice": name, "bytes": path.stat().st_size, "context": context, "chunks": chunks,
                      "perplexity": llama_perplexity(engine / "build" / "bin" / "llama-perplexity", path, text, threads,
                                                     context, chunks)})

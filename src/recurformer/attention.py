@@ -91,7 +91,7 @@ class HybridAttention(nn.Module):
         sliding_window: the original layer's sliding window (Qwen2/Mistral), else None.
     """
 
-    kv_cache_type: str | None = None  # the kept heads' K/V stored as llama.cpp stores them (`kv_quant.store_kv_as`)
+    kv_cache_type: str | None = None  # the kept heads' K/V stored as llama.cpp stores them (`stored_kv.store_kv_as`)
 
     def __init__(
         self,

@@ -13,6 +13,8 @@ engine attends over. The round trips equal gguf-py's `gguf.quants` bit for bit.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
@@ -88,9 +90,11 @@ def round_trip(x: Tensor, cache_type: str) -> Tensor:
     return dequantize(*quantize(x)).reshape(x.shape)
 
 
+@lru_cache
 def hadamard(n: int) -> Tensor:
     """The orthonormal Walsh-Hadamard matrix `[n, n]` (Sylvester's order, n a power of two), as
-    llama.cpp builds it: symmetric, its own inverse."""
+    llama.cpp builds it: symmetric, its own inverse. Made once per size (every layer's every
+    step rotates); not to be changed in place."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

@@ -39,7 +39,7 @@ class WindowMixer(Mixer):
     state of `sinks + window` tokens."""
 
     reads = frozenset({"window", "sinks", "scan_backend"})  # scan_backend: the attention's and the decode step's
-    kv_cache_type: str | None = None  # its keys and values stored as llama.cpp stores them (`kv_quant.store_kv_as`)
+    kv_cache_type: str | None = None  # its keys and values stored as llama.cpp stores them (`stored_kv.store_kv_as`)
 
     def __init__(self, d_in: int, heads: HeadShape, config: MixerConfig):
         super().__init__()
